@@ -1,0 +1,83 @@
+"""Two local processes on loopback build the same global mesh as one process would."""
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+import eqdel
+from eqdel import axes
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]),
+        initialization_timeout=60,
+    )
+    import numpy as np
+    from jax.sharding import NamedSharding
+    import eqdel
+    from eqdel import axes
+
+    cfg = eqdel.ShardingConfig(axis_dims=(2, 2, 2, 1))
+    mesh = cfg.mesh()
+    data = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    spec = cfg.resolve((axes.BATCH, axes.EMBED), shape=data.shape)
+    x = jax.make_array_from_callback(data.shape, NamedSharding(mesh, spec), lambda i: data[i])
+    total = jax.jit(lambda x: (x * x).sum(), out_shardings=NamedSharding(mesh, jax.P()))(x)
+    print(json.dumps({
+        "mesh": [[d.id, d.process_index] for d in mesh.devices.flat],
+        "shape": dict(mesh.shape),
+        "spec": str(spec),
+        "total": float(total.addressable_data(0)),
+    }))
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_share_one_global_mesh():
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, address, str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+
+    assert results[0] == results[1]
+    assert results[0]["shape"] == {"dp": 2, "fsdp": 2, "tp": 2, "sp": 1}
+    assert len({d for d, _ in results[0]["mesh"]}) == 8
+    # dp, the outermost axis, spans the two processes; the inner axes stay within one.
+    assert [p for _, p in results[0]["mesh"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+    cfg = eqdel.ShardingConfig(axis_dims=(2, 2, 2, 1))
+    data = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    spec = cfg.resolve((axes.BATCH, axes.EMBED), shape=data.shape)
+    x = jax.device_put(jnp.asarray(data), NamedSharding(cfg.mesh(), spec))
+    assert results[0]["spec"] == str(spec)
+    assert results[0]["total"] == float(jax.jit(lambda x: (x * x).sum())(x))
