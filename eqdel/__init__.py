@@ -1,10 +1,11 @@
 """eqdel: large language models in JAX as immutable Equinox modules, sharded by the
 semantic axes every array declares."""
 
-from . import axes as axes
+from . import axes as axes, models as models, nn as nn
 from ._explain import explain_sharding as explain_sharding
 from ._field import field as field
 from ._partition_rules import match_partition_rules as match_partition_rules
 from ._placement import constrain as constrain, partition_specs as partition_specs, shard as shard
 from ._sharding_config import ShardingConfig as ShardingConfig
 from ._version import __version__ as __version__
+from .checkpoint import from_pretrained as from_pretrained, save_pretrained as save_pretrained

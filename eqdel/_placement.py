@@ -69,7 +69,8 @@ def placements(
 
     **Arguments:**
 
-    - `tree`: any pytree (model, optimizer state, cache).
+    - `tree`: any pytree (model, optimizer state, cache); `jax.ShapeDtypeStruct` leaves
+        count as arrays.
     - `cfg`: the sharding config.
     - `mode`: the runtime mode the rules are taken in.
     - `kind`: the rule table, `"parameter"` or `"activation"`.
@@ -87,7 +88,7 @@ def placements(
         )
     out = []
     for (path, leaf), leaf_axes in zip(with_paths, declared):
-        if not eqx.is_array(leaf):
+        if not is_array_like(leaf):
             continue
         where = jax.tree_util.keystr(path) or "<root>"
         full = _full_axes(where, leaf_axes, leaf.ndim)
@@ -100,11 +101,16 @@ def placements(
     return out
 
 
+def is_array_like(x) -> bool:
+    """An array, or the `jax.ShapeDtypeStruct` that `eqx.filter_eval_shape` leaves."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _map_arrays(tree, values: list):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     it = iter(values)
     return jax.tree_util.tree_unflatten(
-        treedef, [next(it) if eqx.is_array(leaf) else leaf for leaf in leaves]
+        treedef, [next(it) if is_array_like(leaf) else leaf for leaf in leaves]
     )
 
 

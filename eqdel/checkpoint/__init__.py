@@ -1,0 +1,6 @@
+"""Hugging Face checkpoints: config.json + safetensors, in and out."""
+
+from ._errors import CheckpointError as CheckpointError
+from ._layout import HFTensor as HFTensor, hf_layout as hf_layout
+from ._load import from_pretrained as from_pretrained
+from ._save import save_pretrained as save_pretrained

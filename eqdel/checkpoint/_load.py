@@ -1,0 +1,224 @@
+"""`from_pretrained`: a Hugging Face checkpoint directory to a (sharded) eqdel model."""
+
+import json
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from safetensors import SafetensorError, safe_open
+from tqdm.auto import tqdm
+
+from .._placement import placements
+from .._sharding_config import ShardingConfig
+from ..models import config_class
+from ..models._registry import MODEL_TYPES
+from ._errors import CheckpointError
+from ._layout import HFTensor, hf_layout
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(path: Path) -> dict:
+    """The parsed `config.json` of a checkpoint directory."""
+    file = path / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no config.json; is this a Hugging Face checkpoint?")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{file}: not valid JSON ({error}).") from None
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as error:
+            raise CheckpointError(f"{index}: not a safetensors index ({error}).") from None
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise CheckpointError(f"{index} lists {file.name}, which does not exist.")
+        return files
+    single = path / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(
+            f"{path}: no {SINGLE_FILE} or {INDEX_FILE}; only safetensors weights are read."
+        )
+    return dict.fromkeys(_open(single).keys(), single)
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(
+            f"{file}: cannot read safetensors file ({error}); it may be truncated or corrupt."
+        ) from None
+
+
+class _Reader:
+    """Opened safetensors files, and slices of the tensors in them."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self.handles = {file: _open(file) for file in sorted(set(files.values()))}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.files[name]].get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple) -> np.ndarray:
+        file = self.files[name]
+        try:
+            return self.handles[file].get_slice(name)[index]
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CheckpointError(
+                f"{file}: cannot read {name} ({error}); the file may be truncated or corrupt."
+            ) from None
+
+
+def _check_names(layout: list[HFTensor], reader: _Reader, layers: int, tied: bool) -> None:
+    expected = {name for t in layout for name in t.names(layers)}
+    present = set(reader.files)
+    missing = sorted(expected - present)
+    unexpected = sorted(
+        n
+        for n in present - expected
+        if not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing weights: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected weights: {', '.join(unexpected)}")
+    if problems:
+        raise CheckpointError("Checkpoint does not fit the model; " + "; ".join(problems) + ".")
+
+
+def _check_shapes(layout, skeleton_leaves, reader: _Reader, layers: int) -> None:
+    for tensor, leaf in zip(layout, skeleton_leaves):
+        shape = leaf.shape[1:] if tensor.stacked else leaf.shape
+        want = shape[::-1] if tensor.transpose else shape
+        for name in tensor.names(layers):
+            got = reader.shape(name)
+            if got != tuple(want):
+                raise CheckpointError(
+                    f"{name}: checkpoint shape {got} but the model expects {tuple(want)} "
+                    "(from config.json)."
+                )
+
+
+def _cast(array: np.ndarray, dtype, name: str) -> np.ndarray:
+    out = array.astype(dtype)
+    if np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16:
+        overflow = ~np.isfinite(out.astype(np.float32)) & np.isfinite(array.astype(np.float32))
+        if overflow.any():
+            raise CheckpointError(
+                f"{name}: values up to {float(np.abs(array.astype(np.float32)).max()):.3g} "
+                f"overflow {np.dtype(dtype).name}; load in a wider dtype."
+            )
+    return out
+
+
+def _loader(tensor: HFTensor, reader: _Reader, dtype, layers: int):
+    """The `make_array_from_callback` callback for one parameter."""
+
+    def one(name: str, index: tuple) -> np.ndarray:
+        hf_index = index[::-1] if tensor.transpose else index
+        block = reader.read(name, hf_index)
+        return _cast(block.T if tensor.transpose else block, dtype, name)
+
+    def load(index: tuple) -> np.ndarray:
+        if not tensor.stacked:
+            return one(tensor.name, index)
+        layer_index, rest = index[0], index[1:]
+        chosen = range(*layer_index.indices(layers))
+        return np.stack([one(tensor.name.format(i), rest) for i in chosen])
+
+    return load
+
+
+def from_pretrained(
+    path,
+    *,
+    dtype=None,
+    sharding: ShardingConfig | None = None,
+    progress: bool = True,
+    **config_overrides,
+):
+    """Load a Hugging Face checkpoint directory.
+
+    Each tensor is read with `safetensors.safe_open` and placed straight onto its final
+    sharding with `jax.make_array_from_callback`: every device reads only its own slice,
+    so no host or device ever holds a full copy of a sharded model.
+
+    **Arguments:**
+
+    - `path`: a directory with `config.json` and `model.safetensors` (or a sharded set
+        with `model.safetensors.index.json`).
+    - `dtype`: parameter dtype (`jnp.float32` by default). A floating dtype; weights that
+        overflow it raise.
+    - `sharding`: a [`eqdel.ShardingConfig`][] to place the parameters on its mesh, or
+        `None` for the default device.
+    - `progress`: show a progress bar.
+    - `**config_overrides`: config fields to set, such as `scan_layers=False`.
+
+    **Returns:**
+
+    The model, e.g. an [`eqdel.models.LlamaForCausalLM`][].
+
+    **Raises:**
+
+    [`eqdel.checkpoint.CheckpointError`][] naming the file or tensor for a missing
+    config.json, an unknown `model_type`, missing or unexpected weights, shape mismatches,
+    unreadable files and overflowing dtypes.
+    """
+    path = Path(path)
+    dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise CheckpointError(f"dtype {dtype.name} cannot hold model weights; use a float dtype.")
+    hf = read_config(path)
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(
+            f"{path / 'config.json'}: unknown model_type {model_type!r}; eqdel supports "
+            f"{sorted(MODEL_TYPES)}."
+        )
+    config = config_class(model_type).from_hf_config(hf, **config_overrides)
+    model_class = MODEL_TYPES[model_type]
+    skeleton = eqx.filter_eval_shape(
+        lambda: model_class(config, dtype=dtype, key=jax.random.key(0))
+    )
+    layout = hf_layout(skeleton)
+    reader = _Reader(_weight_files(path))
+    layers = config.num_hidden_layers
+    skeleton_leaves = jax.tree.leaves(skeleton)
+    _check_names(layout, reader, layers, config.tie_word_embeddings)
+    _check_shapes(layout, skeleton_leaves, reader, layers)
+
+    if sharding is None:
+        shardings = [SingleDeviceSharding(jax.devices()[0])] * len(layout)
+    else:
+        mesh = sharding.mesh()
+        shardings = [NamedSharding(mesh, p.spec) for p in placements(skeleton, sharding)]
+    arrays = []
+    for tensor, leaf, placed in tqdm(
+        list(zip(layout, skeleton_leaves, shardings)),
+        desc=f"loading {path.name}",
+        unit="tensor",
+        disable=not progress,
+    ):
+        arrays.append(
+            jax.make_array_from_callback(
+                leaf.shape, placed, _loader(tensor, reader, dtype, layers)
+            )
+        )
+    treedef = jax.tree.structure(skeleton)
+    return jax.tree.unflatten(treedef, arrays)

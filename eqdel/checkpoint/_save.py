@@ -1,0 +1,134 @@
+"""`save_pretrained`: an eqdel model to a Hugging Face checkpoint directory."""
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from safetensors.numpy import save_file
+
+from ._layout import get_path, hf_layout
+from ._load import INDEX_FILE, SINGLE_FILE
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or a string such as `"5GB"` or `"500MiB"`."""
+    if isinstance(size, int):
+        return size
+    match = _SIZE.match(size)
+    if not match:
+        raise ValueError(f"max_shard_size {size!r} is not a size such as '5GB' or '200MiB'.")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+
+
+def _to_host(leaf: jax.Array) -> np.ndarray:
+    """Gather one (possibly sharded, possibly multi-process) array to the host."""
+    if leaf.is_fully_addressable:
+        return np.asarray(jax.device_get(leaf))
+    return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+
+
+def _tensors(model) -> Iterator[tuple[str, np.ndarray]]:
+    """Checkpoint tensors, gathered one parameter at a time."""
+    for tensor in hf_layout(model):
+        host = _to_host(get_path(model, tensor.where))
+        blocks = list(host) if tensor.stacked else [host]
+        for name, block in zip(tensor.names(len(blocks)), blocks):
+            yield name, np.ascontiguousarray(block.T if tensor.transpose else block)
+
+
+def _write_shards(model, directory: Path, max_bytes: int) -> None:
+    shards: list[dict[str, np.ndarray]] = [{}]
+    sizes = [0]
+    written: list[tuple[Path, list[str]]] = []
+
+    def flush():
+        file = directory / f"part-{len(written):05d}.safetensors"
+        save_file(shards[-1], str(file), metadata={"format": "pt"})
+        written.append((file, list(shards[-1])))
+        shards[-1], sizes[-1] = {}, 0
+
+    total = 0
+    for name, array in _tensors(model):
+        if shards[-1] and sizes[-1] + array.nbytes > max_bytes:
+            flush()
+        shards[-1][name] = array
+        sizes[-1] += array.nbytes
+        total += array.nbytes
+    flush()
+
+    if len(written) == 1:
+        written[0][0].rename(directory / SINGLE_FILE)
+        return
+    weight_map = {}
+    for i, (file, names) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        file.rename(directory / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
+def save_pretrained(model, path, *, max_shard_size: int | str = "5GB") -> Path:
+    """Write `model` as a Hugging Face checkpoint that `transformers` loads.
+
+    Everything is written to a temporary directory beside `path` and moved into place at
+    the end, so a failure never leaves a half-written checkpoint where a good one was.
+    Sharded parameters are gathered to the host one at a time. With several processes,
+    every process takes part in the gathers and process 0 writes.
+
+    **Arguments:**
+
+    - `model`: an eqdel causal LM.
+    - `path`: the output directory (replaced if it exists).
+    - `max_shard_size`: largest safetensors file, in bytes or as `"5GB"`; above it the
+        weights are split with a `model.safetensors.index.json`.
+
+    **Returns:**
+
+    The output directory.
+    """
+    path = Path(path)
+    max_bytes = parse_size(max_shard_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() != 0:
+        for _ in _tensors(model):  # take part in the gathers; process 0 writes
+            pass
+        return path
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (staging / "config.json").write_text(
+            json.dumps(model.config.to_hf_config(), indent=2, sort_keys=True)
+        )
+        _write_shards(model, staging, max_bytes)
+        _replace_directory(staging, path)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return path
+
+
+def _replace_directory(new: Path, target: Path) -> None:
+    """Move `new` to `target`; an existing `target` is moved aside first and removed only
+    once `new` is in place."""
+    if not target.exists():
+        os.rename(new, target)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    os.rename(target, aside / target.name)
+    try:
+        os.rename(new, target)
+    except OSError:
+        os.rename(aside / target.name, target)
+        raise
+    finally:
+        shutil.rmtree(aside)

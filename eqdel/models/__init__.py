@@ -1,0 +1,10 @@
+"""Model families, each registered under its Hugging Face `model_type`."""
+
+from ._llama import (
+    LlamaConfig as LlamaConfig,
+    LlamaDecoderLayer as LlamaDecoderLayer,
+    LlamaForCausalLM as LlamaForCausalLM,
+    LlamaModel as LlamaModel,
+)
+from ._outputs import CausalLMOutput as CausalLMOutput
+from ._registry import MODEL_TYPES as MODEL_TYPES, config_class as config_class

@@ -1,0 +1,14 @@
+"""Layers: each an `equinox.Module` whose arrays declare their semantic axes."""
+
+from ._activations import ACTIVATIONS as ACTIVATIONS, activation as activation
+from ._attention import Attention as Attention
+from ._embedding import Embedding as Embedding
+from ._linear import Linear as Linear
+from ._mlp import GatedMLP as GatedMLP
+from ._norm import LayerNorm as LayerNorm, RMSNorm as RMSNorm
+from ._rotary import (
+    ROPE_TYPES as ROPE_TYPES,
+    RotaryEmbedding as RotaryEmbedding,
+    apply_rotary as apply_rotary,
+)
+from ._stacked import run_layers as run_layers, stack_layers as stack_layers

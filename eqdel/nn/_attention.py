@@ -1,0 +1,144 @@
+"""Grouped-query self-attention with rotary embeddings."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from .. import axes as ax
+from ..attention import vanilla_attention
+from ._linear import Linear
+from ._rotary import apply_rotary
+
+
+class Attention(eqx.Module):
+    """Multi-head self-attention where `num_kv_heads` key/value heads are shared by groups
+    of query heads (GQA; `num_kv_heads == num_heads` is plain multi-head attention)."""
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
+    soft_cap: float | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        scale: float | None = None,
+        soft_cap: float | None = None,
+        dtype=jnp.float32,
+        initializer_range: float = 0.02,
+        key: PRNGKeyArray,
+    ):
+        """**Arguments:**
+
+        - `hidden_size`: model width.
+        - `num_heads`, `num_kv_heads`, `head_dim`: query heads, key/value heads (a divisor
+            of `num_heads`) and per-head size.
+        - `qkv_bias`, `o_bias`: biases on the input and output projections.
+        - `scale`: score scale; `head_dim ** -0.5` by default.
+        - `soft_cap`: optional logit soft-capping of the scores.
+        - `dtype`, `initializer_range`: parameter dtype and initialisation scale.
+        - `key`: a `jax.random` key.
+        """
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})."
+            )
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        common = dict(dtype=dtype, initializer_range=initializer_range)
+        self.q_proj = Linear(
+            hidden_size,
+            num_heads * head_dim,
+            axes=(ax.EMBED, ax.HEAD),
+            use_bias=qkv_bias,
+            key=kq,
+            **common,
+        )
+        self.k_proj = Linear(
+            hidden_size,
+            num_kv_heads * head_dim,
+            axes=(ax.EMBED, ax.KV_HEAD),
+            use_bias=qkv_bias,
+            key=kk,
+            **common,
+        )
+        self.v_proj = Linear(
+            hidden_size,
+            num_kv_heads * head_dim,
+            axes=(ax.EMBED, ax.KV_HEAD),
+            use_bias=qkv_bias,
+            key=kv,
+            **common,
+        )
+        self.o_proj = Linear(
+            num_heads * head_dim,
+            hidden_size,
+            axes=(ax.HEAD, ax.EMBED),
+            use_bias=o_bias,
+            key=ko,
+            **common,
+        )
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.soft_cap = soft_cap
+
+    def project(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+    ]:
+        """Queries, keys and values with the rotation applied to queries and keys."""
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def attend(
+        self,
+        q: Float[Array, "batch q_len heads head_dim"],
+        k: Float[Array, "batch kv_len kv_heads head_dim"],
+        v: Float[Array, "batch kv_len kv_heads head_dim"],
+        mask: Bool[Array, "batch q_len kv_len"],
+    ) -> Float[Array, "batch q_len embed"]:
+        """Attention over (possibly cached) keys and values, then the output projection."""
+        out = vanilla_attention(q, k, v, mask, scale=self.scale, soft_cap=self.soft_cap)
+        batch, q_len = out.shape[:2]
+        return self.o_proj(out.reshape(batch, q_len, self.num_heads * self.head_dim))
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
+        mask: Bool[Array, "batch seq seq"],
+    ) -> Float[Array, "batch seq embed"]:
+        """**Arguments:**
+
+        - `x`: hidden states.
+        - `cos`, `sin`: rotary tables for the tokens' positions.
+        - `mask`: `True` where a query may attend to a key.
+
+        **Returns:**
+
+        The attention block's output.
+        """
+        return self.attend(*self.project(x, cos, sin), mask)
