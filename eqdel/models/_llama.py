@@ -38,8 +38,8 @@ _ARCHITECTURES = {
 class LlamaConfig:
     """Sizes and options of a Llama-family model; field names follow Hugging Face.
 
-    `num_key_value_heads` and `head_dim` default to `num_attention_heads` and
-    `hidden_size // num_attention_heads`. `qkv_bias` (Qwen2) puts biases on the query, key
+    `num_key_value_heads` and `head_dim` default to (and are set to) `num_attention_heads`
+    and `hidden_size // num_attention_heads`. `qkv_bias` (Qwen2) puts biases on the query, key
     and value projections only; `attention_bias` (Llama) on all four. `sliding_window`
     applies to the layers `layer_types` marks `"sliding_attention"` (all layers when
     `layer_types` is `None`). `scan_layers` runs the decoder with `lax.scan` (`False`
@@ -73,15 +73,19 @@ class LlamaConfig:
     scan_layers: bool = True
 
     def __post_init__(self):
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.model_type not in _ARCHITECTURES:
             raise ValueError(
                 f"LlamaConfig covers model types {sorted(_ARCHITECTURES)}, not "
                 f"{self.model_type!r}."
             )
-        if self.num_attention_heads % self.kv_heads:
+        if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.kv_heads})."
+                f"num_key_value_heads ({self.num_key_value_heads})."
             )
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
@@ -92,14 +96,6 @@ class LlamaConfig:
             object.__setattr__(
                 self, "rope_parameters", tuple(sorted(self.rope_parameters.items()))
             )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -179,8 +175,8 @@ class LlamaConfig:
             intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.dim_per_head,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
             hidden_act=self.hidden_act,
             max_position_embeddings=self.max_position_embeddings,
             initializer_range=self.initializer_range,
@@ -230,8 +226,8 @@ class LlamaDecoderLayer(eqx.Module):
         self.self_attn = Attention(
             c.hidden_size,
             c.num_attention_heads,
-            c.kv_heads,
-            c.dim_per_head,
+            c.num_key_value_heads,
+            c.head_dim,
             qkv_bias=c.attention_bias or c.qkv_bias,
             o_bias=c.attention_bias,
             dtype=dtype,
@@ -301,7 +297,7 @@ class LlamaModel(eqx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(
-            config.dim_per_head,
+            config.head_dim,
             config.rope_theta,
             rope_type=config.rope_type,
             parameters=dict(config.rope_parameters),
@@ -469,8 +465,8 @@ class LlamaForCausalLM(eqx.Module):
         window = f", sliding_window={c.sliding_window}" if c.sliding_window else ""
         return (
             f"LlamaForCausalLM(model_type={c.model_type!r}, layers={c.num_hidden_layers}, "
-            f"hidden={c.hidden_size}, heads={c.num_attention_heads}/{c.kv_heads}x"
-            f"{c.dim_per_head}, mlp={c.intermediate_size}, vocab={c.vocab_size}, "
+            f"hidden={c.hidden_size}, heads={c.num_attention_heads}/{c.num_key_value_heads}x"
+            f"{c.head_dim}, mlp={c.intermediate_size}, vocab={c.vocab_size}, "
             f"rope={c.rope_type}{window}, tied={c.tie_word_embeddings}, "
             f"parameters={params:,}, dtype={'/'.join(dtypes)})"
         )

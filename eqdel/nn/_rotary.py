@@ -131,7 +131,7 @@ class RotaryEmbedding(eqx.Module):
             inv_freq, scale = _yarn(params, base, dim, self.max_position_embeddings)
             return jnp.asarray(inv_freq), scale
         seq_len = (jnp.max(positions) + 1).astype(jnp.float32)
-        exponents = jnp.asarray(np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+        exponents = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
         if kind == "dynamic":
             factor = float(params["factor"])
             max_positions = float(self.max_position_embeddings)
@@ -139,14 +139,14 @@ class RotaryEmbedding(eqx.Module):
             scaled_base = base * ((factor * seq_len / max_positions) - (factor - 1)) ** (
                 dim / (dim - 2)
             )
-            return 1.0 / (scaled_base**exponents), 1.0
+            return 1.0 / (scaled_base ** jnp.asarray(exponents)), 1.0
         # longrope
         original = params["original_max_position_embeddings"]
         factor = params.get("factor") or self.max_position_embeddings / original
         scale = params.get("attention_factor")
         if scale is None:
             scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        base_freq = np.float32(base) ** np.asarray(exponents)
+        base_freq = np.float32(base) ** exponents
         long_freq = 1.0 / (np.asarray(params["long_factor"], np.float32) * base_freq)
         short_freq = 1.0 / (np.asarray(params["short_factor"], np.float32) * base_freq)
         inv_freq = jnp.where(seq_len > original, jnp.asarray(long_freq), jnp.asarray(short_freq))

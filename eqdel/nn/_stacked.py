@@ -46,11 +46,4 @@ def run_layers(stacked: eqx.Module, step: Callable, carry, xs=None, *, scan: boo
         layer, x = inputs
         return step(eqx.combine(layer, static), carry, x)
 
-    if scan:
-        return jax.lax.scan(body, carry, (dynamic, xs))
-    count = jax.tree.leaves(dynamic)[0].shape[0]
-    ys = []
-    for i in range(count):
-        carry, y = body(carry, jax.tree.map(lambda a, i=i: a[i], (dynamic, xs)))
-        ys.append(y)
-    return carry, jax.tree.map(lambda *a: jax.numpy.stack(a), *ys) if ys[0] is not None else None
+    return jax.lax.scan(body, carry, (dynamic, xs), unroll=not scan)
