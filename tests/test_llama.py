@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
+from hf_reference import hf_logits, make_hf_model, random_ids
 from jax.sharding import NamedSharding
 
 import eqdel
 from eqdel.models import LlamaConfig, LlamaForCausalLM
-from hf_reference import hf_logits, make_hf_model, random_ids
 
 TOL = 1e-5
 
