@@ -36,7 +36,7 @@ WORKER = textwrap.dedent(
     spec = cfg.resolve((axes.BATCH, axes.EMBED), shape=data.shape)
     x = jax.make_array_from_callback(data.shape, NamedSharding(mesh, spec), lambda i: data[i])
     total = jax.jit(lambda x: (x * x).sum(), out_shardings=NamedSharding(mesh, jax.P()))(x)
-    print(json.dumps({
+    print("RESULT " + json.dumps({
         "mesh": [[d.id, d.process_index] for d in mesh.devices.flat],
         "shape": dict(mesh.shape),
         "spec": str(spec),
@@ -52,7 +52,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_share_one_global_mesh():
+def _run_two_processes(timeout: float) -> list[dict] | None:
+    """Both workers' results, or `None` if they did not finish in time."""
     address = f"127.0.0.1:{_free_port()}"
     procs = [
         subprocess.Popen(
@@ -64,11 +65,26 @@ def test_two_processes_share_one_global_mesh():
         for i in range(2)
     ]
     results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, err[-3000:]
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert len(lines) == 1, out + err[-3000:]
+            results.append(json.loads(lines[0].removeprefix("RESULT ")))
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        for proc in procs:
+            proc.kill()
+    return results
 
+
+def test_two_processes_share_one_global_mesh():
+    # A second attempt on a fresh port covers another program taking the free port
+    # between its discovery and the coordinator binding it.
+    results = _run_two_processes(90) or _run_two_processes(90)
+    assert results is not None, "the two processes did not finish twice in a row"
     assert results[0] == results[1]
     assert results[0]["shape"] == {"dp": 2, "fsdp": 2, "tp": 2, "sp": 1}
     assert len({d for d, _ in results[0]["mesh"]}) == 8

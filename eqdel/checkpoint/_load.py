@@ -116,7 +116,8 @@ def _check_shapes(layout, skeleton_leaves, reader: _Reader, layers: int) -> None
 
 
 def _cast(array: np.ndarray, dtype, name: str) -> np.ndarray:
-    out = array.astype(dtype)
+    with np.errstate(over="ignore"):
+        out = array.astype(dtype)
     if np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16:
         overflow = ~np.isfinite(out.astype(np.float32)) & np.isfinite(array.astype(np.float32))
         if overflow.any():

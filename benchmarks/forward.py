@@ -1,0 +1,153 @@
+"""Prefill throughput of eqdel vs transformers on the same random-weight Llama, and compile
+time against depth with scan over layers on and off.
+
+    python benchmarks/forward.py [--repeats 10]
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+from _report import write
+
+import eqdel
+
+SIZES = dict(
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def throughput(batch: int, seq: int, vocab: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    sizes = {**SIZES, "vocab_size": vocab}
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
+    ids = np.random.RandomState(0).randint(0, vocab, (batch, seq))
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model.save_pretrained(tmp)
+        model = eqdel.from_pretrained(tmp, progress=False)
+
+    forward = jax.jit(lambda m, i: m(i).logits)
+    jax_ids = jnp.asarray(ids)
+    eqdel_s = _time(lambda: forward(model, jax_ids).block_until_ready(), repeats)
+    torch_ids = torch.tensor(ids)
+
+    def hf_forward():
+        with torch.no_grad():
+            hf_model(torch_ids)
+
+    hf_s = _time(hf_forward, repeats)
+    with torch.no_grad():
+        difference = float(
+            np.abs(np.asarray(forward(model, jax_ids)) - hf_model(torch_ids).logits.numpy()).max()
+        )
+    tokens = batch * seq
+    return {
+        "vocab": vocab,
+        "batch": batch,
+        "seq": seq,
+        "eqdel_tokens_per_s": tokens / eqdel_s,
+        "transformers_tokens_per_s": tokens / hf_s,
+        "speedup": hf_s / eqdel_s,
+        "max_abs_logit_difference": difference,
+        "torch_threads": torch.get_num_threads(),
+        "transformers_attention": hf_model.config._attn_implementation,
+    }
+
+
+def compile_times(depths, seq: int) -> list[dict]:
+    rows = []
+    for depth in depths:
+        for scan in (True, False):
+            config = eqdel.models.LlamaConfig(
+                **{**SIZES, "vocab_size": 1024, "num_hidden_layers": depth}, scan_layers=scan
+            )
+            model = eqx_model(config)
+            ids = jnp.zeros((1, seq), jnp.int32)
+            start = time.perf_counter()
+            jax.jit(lambda m, i: m(i).logits).lower(model, ids).compile()
+            rows.append({"layers": depth, "scan": scan, "compile_s": time.perf_counter() - start})
+    return rows
+
+
+def eqx_model(config):
+    return eqdel.models.LlamaForCausalLM(config, key=jax.random.key(0))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--depths", default="2,8,32")
+    parser.add_argument(
+        "--vocabs",
+        default="32000,4096",
+        help="vocabulary sizes; at 32000 the language-model head dominates the forward",
+    )
+    args = parser.parse_args()
+
+    speeds = [
+        throughput(args.batch, args.seq, int(v), args.repeats) for v in args.vocabs.split(",")
+    ]
+    compiles = compile_times([int(d) for d in args.depths.split(",")], args.seq)
+    write(
+        "forward",
+        {"sizes": SIZES, "throughput": speeds, "compile": compiles},
+        [
+            (
+                f"Prefill, float32, batch {args.batch} x {args.seq} tokens, "
+                f"hidden {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} layers "
+                f"(transformers: {speeds[0]['transformers_attention']} attention, "
+                f"{speeds[0]['torch_threads']} threads)",
+                ["vocab", "eqdel tokens/s", "transformers tokens/s", "speedup", "max abs diff"],
+                [
+                    [
+                        s["vocab"],
+                        f"{s['eqdel_tokens_per_s']:,.0f}",
+                        f"{s['transformers_tokens_per_s']:,.0f}",
+                        f"{s['speedup']:.2f}x",
+                        f"{s['max_abs_logit_difference']:.1e}",
+                    ]
+                    for s in speeds
+                ],
+            ),
+            (
+                f"Compile time (s), 1 x {args.seq} tokens",
+                ["layers", "scan", "unrolled"],
+                [
+                    [d, f"{scan['compile_s']:.2f}", f"{unrolled['compile_s']:.2f}"]
+                    for d, scan, unrolled in (
+                        (r["layers"], r, u) for r, u in zip(compiles[::2], compiles[1::2])
+                    )
+                ],
+            ),
+        ],
+    )
+
+
+if __name__ == "__main__":
+    Path(__file__).parent.joinpath("results").mkdir(exist_ok=True)
+    main()
