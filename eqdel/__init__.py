@@ -2,8 +2,11 @@
 semantic axes every array declares."""
 
 from . import axes as axes, models as models, nn as nn
+from ._cache import KVCache as KVCache
 from ._explain import explain_sharding as explain_sharding
 from ._field import field as field
+from ._generation import generate as generate, stream_generate as stream_generate
+from ._generation_config import GenerationConfig as GenerationConfig
 from ._partition_rules import match_partition_rules as match_partition_rules
 from ._placement import constrain as constrain, partition_specs as partition_specs, shard as shard
 from ._sharding_config import ShardingConfig as ShardingConfig

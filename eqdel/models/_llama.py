@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
+from .._cache import KVCache
 from ..attention import attention_mask
 from ..nn import (
     Attention,
@@ -250,20 +251,25 @@ class LlamaDecoderLayer(eqx.Module):
         h: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq rotary_dim"],
         sin: Float[Array, "batch seq rotary_dim"],
-        mask: Bool[Array, "batch seq seq"],
-    ) -> Float[Array, "batch seq embed"]:
+        mask: Bool[Array, "batch seq kv_len"],
+        kv: tuple | None = None,
+        write_index: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], tuple | None]:
         """**Arguments:**
 
         - `h`: hidden states.
         - `cos`, `sin`: rotary tables.
         - `mask`: this layer's attention mask (its sliding window applied).
+        - `kv`, `write_index`: this layer's cache and where to write, as in
+            [`eqdel.nn.Attention`][].
 
         **Returns:**
 
-        The layer's output.
+        `(output, kv)`.
         """
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attended, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, write_index)
+        h = h + attended
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
 
 
 class LlamaModel(eqx.Module):
@@ -309,40 +315,63 @@ class LlamaModel(eqx.Module):
         self,
         h: Float[Array, "batch seq embed"],
         position_ids: Int[Array, "batch seq"],
-        key_valid: Bool[Array, "batch seq"],
+        token_valid: Bool[Array, "batch seq"],
+        cache: KVCache | None = None,
         *,
         output_hidden_states: bool = False,
-    ) -> tuple[Float[Array, "batch seq embed"], tuple | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], tuple | None, KVCache | None]:
         """Run the decoder over embedded tokens.
 
         **Arguments:**
 
         - `h`: the input embeddings.
         - `position_ids`: position of every token (for the rotary tables).
-        - `key_valid`: `False` at padding.
+        - `token_valid`: `False` at padding.
+        - `cache`: a [`eqdel.KVCache`][]: the tokens are written after its `length`
+            slots and attend to everything valid before them.
         - `output_hidden_states`: also return every layer's output.
 
         **Returns:**
 
-        `(hidden, all_hidden)`: the normed final hidden states, and the per-layer states
-        or `None`.
+        `(hidden, all_hidden, cache)`: the normed final hidden states, the per-layer
+        states (or `None`) and the updated cache (or `None`).
         """
         batch, seq, _ = h.shape
         cos, sin = self.rotary_emb(position_ids)
-        index = jnp.broadcast_to(jnp.arange(seq)[None, :], (batch, seq))
+        offsets = jnp.broadcast_to(jnp.arange(seq)[None, :], (batch, seq))
+        if cache is None:
+            query_index, key_index, key_valid, kv, write = (
+                offsets,
+                offsets,
+                token_valid,
+                None,
+                None,
+            )
+        else:
+            write = cache.length
+            query_index = write + offsets
+            key_index = jnp.broadcast_to(jnp.arange(cache.max_length)[None, :], cache.valid.shape)
+            key_valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, write))
+            kv = (cache.keys, cache.values)
         windows = jnp.asarray(self.config.layer_windows, jnp.int32)
 
-        def step(layer, h, window):
-            out = layer(h, cos, sin, attention_mask(index, index, key_valid, window))
-            return out, out if output_hidden_states else None
+        def step(layer, h, inputs):
+            window, layer_kv = inputs
+            mask = attention_mask(query_index, key_index, key_valid, window)
+            out, layer_kv = layer(h, cos, sin, mask, layer_kv, write)
+            return out, (out if output_hidden_states else None, layer_kv)
 
         inputs = h
-        h, per_layer = run_layers(self.layers, step, h, windows, scan=self.config.scan_layers)
+        h, (per_layer, kv) = run_layers(
+            self.layers, step, h, (windows, kv), scan=self.config.scan_layers
+        )
         h = self.norm(h)
-        if not output_hidden_states:
-            return h, None
-        states = (inputs, *(per_layer[i] for i in range(per_layer.shape[0] - 1)), h)
-        return h, states
+        if cache is not None:
+            cache = KVCache(keys=kv[0], values=kv[1], valid=key_valid, length=write + seq)
+        states = None
+        if output_hidden_states:
+            states = (inputs, *(per_layer[i] for i in range(per_layer.shape[0] - 1)), h)
+        return h, states, cache
 
 
 class LlamaForCausalLM(eqx.Module):
@@ -392,14 +421,18 @@ class LlamaForCausalLM(eqx.Module):
         attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
         position_ids: Int[Array, "batch seq"] | None = None,
         inputs_embeds: Float[Array, "batch seq embed"] | None = None,
+        cache: KVCache | None = None,
         output_hidden_states: bool = False,
     ) -> CausalLMOutput:
         """**Arguments:**
 
         - `input_ids`: token ids (or pass `inputs_embeds`).
         - `attention_mask`: `1`/`True` for real tokens, `0`/`False` for padding.
-        - `position_ids`: defaults to `0 .. seq-1` on every row, as transformers does.
+        - `position_ids`: defaults to `0 .. seq-1` on every row (after the cache's
+            `length` slots when a cache is given), as transformers does.
         - `inputs_embeds`: embeddings used instead of looking up `input_ids`.
+        - `cache`: a [`eqdel.KVCache`][] from [`eqdel.models.LlamaForCausalLM.init_cache`][]
+            or a previous call; `attention_mask` then covers the new tokens only.
         - `output_hidden_states`: also return the per-layer hidden states.
 
         **Returns:**
@@ -411,16 +444,17 @@ class LlamaForCausalLM(eqx.Module):
         h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, seq, _ = h.shape
         if position_ids is None:
-            position_ids = jnp.broadcast_to(jnp.arange(seq)[None, :], (batch, seq))
+            start = 0 if cache is None else cache.length
+            position_ids = jnp.broadcast_to(start + jnp.arange(seq)[None, :], (batch, seq))
         if attention_mask is None:
-            key_valid = jnp.ones((batch, seq), bool)
+            token_valid = jnp.ones((batch, seq), bool)
         else:
-            key_valid = attention_mask.astype(bool)
-        h, states = self.model(
-            h, position_ids, key_valid, output_hidden_states=output_hidden_states
+            token_valid = attention_mask.astype(bool)
+        h, states, cache = self.model(
+            h, position_ids, token_valid, cache, output_hidden_states=output_hidden_states
         )
         logits = self.model.embed_tokens.unembed(h) if self.lm_head is None else self.lm_head(h)
-        return CausalLMOutput(logits=logits, hidden_states=states)
+        return CausalLMOutput(logits=logits, hidden_states=states, cache=cache)
 
     # -- the seed's model methods; setters return a new model -------------------------------
 
@@ -457,6 +491,71 @@ class LlamaForCausalLM(eqx.Module):
     def set_decoder(self, decoder: LlamaModel) -> "LlamaForCausalLM":
         """A new model with `decoder` in place of its decoder."""
         return eqx.tree_at(lambda m: m.model, self, decoder)
+
+    # -- generation -------------------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """An empty [`eqdel.KVCache`][] for `batch_size` rows of up to `max_length` tokens.
+
+        **Arguments:**
+
+        - `batch_size`, `max_length`: the cache's size.
+        - `dtype`: the cache dtype; the parameters' dtype by default.
+        """
+        c = self.config
+        dtype = self.model.embed_tokens.weight.dtype if dtype is None else dtype
+        return KVCache.empty(
+            c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim, dtype
+        )
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        max_length: int,
+        attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
+    ) -> dict:
+        """Keyword arguments for the prefill call on a (left-padded) prompt.
+
+        **Arguments:**
+
+        - `input_ids`: the prompt.
+        - `max_length`: prompt plus new tokens; the size of the fresh cache.
+        - `attention_mask`: `0` at padding; all ones by default.
+
+        **Returns:**
+
+        `dict(attention_mask=..., position_ids=..., cache=...)`: position ids count real
+        tokens only (the mask's cumulative sum), so left padding does not shift them.
+        """
+        batch, seq = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((batch, seq), jnp.int32)
+        mask = attention_mask.astype(jnp.int32)
+        position_ids = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+        return dict(
+            attention_mask=mask,
+            position_ids=position_ids,
+            cache=self.init_cache(batch, max_length),
+        )
+
+    def update_inputs_for_generation(self, model_outputs: CausalLMOutput, model_kwargs: dict):
+        """Keyword arguments for the next one-token decode call.
+
+        **Arguments:**
+
+        - `model_outputs`: the previous call's output (its cache is carried on).
+        - `model_kwargs`: the previous call's keyword arguments.
+
+        **Returns:**
+
+        A new dict: the updated cache, the next position of every row, a mask of ones.
+        """
+        positions = model_kwargs["position_ids"][:, -1:] + 1
+        return dict(
+            attention_mask=jnp.ones_like(positions),
+            position_ids=positions,
+            cache=model_outputs.cache,
+        )
 
     def __repr__(self) -> str:
         c = self.config

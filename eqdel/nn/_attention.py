@@ -3,7 +3,7 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
 from ..attention import vanilla_attention
@@ -129,16 +129,28 @@ class Attention(eqx.Module):
         x: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq rotary_dim"],
         sin: Float[Array, "batch seq rotary_dim"],
-        mask: Bool[Array, "batch seq seq"],
-    ) -> Float[Array, "batch seq embed"]:
+        mask: Bool[Array, "batch seq kv_len"],
+        kv: tuple[Float[Array, "batch kv_len kv_heads head_dim"], ...] | None = None,
+        write_index: Int[Array, ""] | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], tuple | None]:
         """**Arguments:**
 
         - `x`: hidden states.
         - `cos`, `sin`: rotary tables for the tokens' positions.
-        - `mask`: `True` where a query may attend to a key.
+        - `mask`: `True` where a query may attend to a key (the cache's slots when `kv`
+            is given, else the tokens of `x`).
+        - `kv`: this layer's cached `(keys, values)`, or `None` without a cache.
+        - `write_index`: the cache slot of the first token of `x`.
 
         **Returns:**
 
-        The attention block's output.
+        `(output, kv)`: the block's output and the cache with this block's keys and
+        values written (`None` without a cache).
         """
-        return self.attend(*self.project(x, cos, sin), mask)
+        q, k, v = self.project(x, cos, sin)
+        if kv is None:
+            return self.attend(q, k, v, mask), None
+        start = (0, write_index, 0, 0)
+        keys = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
+        values = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
+        return self.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask), (keys, values)

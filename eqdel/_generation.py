@@ -1,0 +1,190 @@
+"""Compiled generation: one prefill, then a `lax.while_loop` of one-token decode steps."""
+
+import dataclasses
+from collections.abc import Iterator
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int, PRNGKeyArray
+
+from ._generation_config import GenerationConfig
+from ._sampling import next_tokens
+
+
+class DecodeState(eqx.Module):
+    """Everything the decode loop carries from one token to the next."""
+
+    tokens: Int[Array, "batch total"]
+    length: Int[Array, ""]
+    finished: Bool[Array, " batch"]
+    key: PRNGKeyArray
+    model_kwargs: dict
+
+
+def _seen(tokens, length):
+    """Which vocabulary entries occur in the first `length` columns of `tokens`."""
+    batch, total = tokens.shape
+    return lambda vocab: (
+        jnp.zeros((batch, vocab), bool)
+        .at[jnp.arange(batch)[:, None], tokens]
+        .max(jnp.arange(total)[None, :] < length)
+    )
+
+
+def _choose(logits, state_tokens, length, finished, config: GenerationConfig, key, pad):
+    seen = _seen(state_tokens, length)(logits.shape[-1])
+    chosen = next_tokens(logits, seen, config, key)
+    chosen = jnp.where(finished, pad, chosen)
+    eos = jnp.asarray(config.eos_token_id or (-1,), jnp.int32)
+    return chosen, finished | jnp.isin(chosen, eos)
+
+
+def _pad_id(config: GenerationConfig) -> int:
+    if config.pad_token_id is not None:
+        return config.pad_token_id
+    return config.eos_token_id[0] if config.eos_token_id else 0
+
+
+def prefill(model, input_ids, attention_mask, config: GenerationConfig, key) -> DecodeState:
+    """Run the prompt through the model and choose the first new token."""
+    batch, prompt = input_ids.shape
+    total = prompt + config.max_new_tokens
+    kwargs = model.prepare_inputs_for_generation(input_ids, total, attention_mask)
+    out = model(input_ids, **kwargs)
+    pad = _pad_id(config)
+    tokens = jnp.full((batch, total), pad, jnp.int32).at[:, :prompt].set(input_ids)
+    key, sub = jax.random.split(key)
+    length = jnp.asarray(prompt, jnp.int32)
+    chosen, finished = _choose(
+        out.logits[:, -1], tokens, length, jnp.zeros((batch,), bool), config, sub, pad
+    )
+    tokens = tokens.at[:, prompt].set(chosen)
+    kwargs = model.update_inputs_for_generation(out, kwargs)
+    return DecodeState(tokens, length + 1, finished, key, kwargs)
+
+
+def decode_step(model, state: DecodeState, config: GenerationConfig) -> DecodeState:
+    """Feed the last chosen token and choose the next one."""
+    last = jax.lax.dynamic_slice_in_dim(state.tokens, state.length - 1, 1, axis=1)
+    out = model(last, **state.model_kwargs)
+    key, sub = jax.random.split(state.key)
+    chosen, finished = _choose(
+        out.logits[:, -1],
+        state.tokens,
+        state.length,
+        state.finished,
+        config,
+        sub,
+        _pad_id(config),
+    )
+    tokens = jax.lax.dynamic_update_slice_in_dim(state.tokens, chosen[:, None], state.length, 1)
+    kwargs = model.update_inputs_for_generation(out, state.model_kwargs)
+    return DecodeState(tokens, state.length + 1, finished, key, kwargs)
+
+
+@eqx.filter_jit
+def _generate(model, input_ids, attention_mask, key, config: GenerationConfig):
+    state = prefill(model, input_ids, attention_mask, config, key)
+    total = input_ids.shape[1] + config.max_new_tokens
+
+    def running(state):
+        return (state.length < total) & ~jnp.all(state.finished)
+
+    state = jax.lax.while_loop(running, lambda s: decode_step(model, s, config), state)
+    return state.tokens
+
+
+def _config(model, generation_config, overrides) -> GenerationConfig:
+    base = generation_config or GenerationConfig(
+        eos_token_id=getattr(model.config, "eos_token_id", None) or (),
+        pad_token_id=getattr(model.config, "pad_token_id", None),
+    )
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def generate(
+    model,
+    input_ids: Int[Array, "batch prompt"],
+    attention_mask: Int[Array, "batch prompt"] | Bool[Array, "batch prompt"] | None = None,
+    *,
+    max_new_tokens: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    eos_token_id: int | list[int] | tuple[int, ...] | None = None,
+    pad_token_id: int | None = None,
+    generation_config: GenerationConfig | None = None,
+    key: PRNGKeyArray | None = None,
+) -> Int[Array, "batch total"]:
+    """Generate tokens after (left-padded) prompts in one compiled loop.
+
+    The prompt is run once to fill the cache, then a `lax.while_loop` decodes one token
+    per step with no Python in between, stopping early once every row has emitted an end
+    token. Rows that have finished emit `pad_token_id`.
+
+    **Arguments:**
+
+    - `model`: a causal LM from `eqdel.models`.
+    - `input_ids`: prompts, left-padded to one length.
+    - `attention_mask`: `0` at padding.
+    - `max_new_tokens`, `do_sample`, `temperature`, `top_k`, `top_p`, `min_p`,
+        `repetition_penalty`, `eos_token_id`, `pad_token_id`: as in
+        [`eqdel.GenerationConfig`][]; each overrides `generation_config`.
+    - `generation_config`: defaults for the above (end and pad tokens from the model
+        config when not given).
+    - `key`: randomness for sampling (`jax.random.key(0)` if not given).
+
+    **Returns:**
+
+    `[batch, prompt + max_new_tokens]` token ids: the prompts, then the new tokens (pad
+    after a row's end token).
+    """
+    config = _config(
+        model,
+        generation_config,
+        dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        ),
+    )
+    key = jax.random.key(0) if key is None else key
+    return _generate(model, input_ids, attention_mask, key, config)
+
+
+def stream_generate(
+    model,
+    input_ids: Int[Array, "batch prompt"],
+    attention_mask: Int[Array, "batch prompt"] | Bool[Array, "batch prompt"] | None = None,
+    *,
+    key: PRNGKeyArray | None = None,
+    generation_config: GenerationConfig | None = None,
+    **overrides,
+) -> Iterator[Int[Array, " batch"]]:
+    """As [`eqdel.generate`][], yielding each step's tokens (`[batch]`) as soon as they
+    are chosen, for interactive use. Each step is one compiled call; the tokens equal
+    those of `generate` with the same arguments."""
+    config = _config(model, generation_config, overrides)
+    key = jax.random.key(0) if key is None else key
+    prompt = input_ids.shape[1]
+    state = _jit_prefill(model, input_ids, attention_mask, config, key)
+    for step in range(config.max_new_tokens):
+        if step:
+            state = _jit_decode_step(model, state, config)
+        yield state.tokens[:, prompt + step]
+        if bool(jnp.all(state.finished)):
+            return
+
+
+_jit_prefill = eqx.filter_jit(prefill)
+_jit_decode_step = eqx.filter_jit(decode_step)
