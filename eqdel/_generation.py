@@ -22,18 +22,14 @@ class DecodeState(eqx.Module):
     model_kwargs: dict
 
 
-def _seen(tokens, length):
-    """Which vocabulary entries occur in the first `length` columns of `tokens`."""
-    batch, total = tokens.shape
-    return lambda vocab: (
-        jnp.zeros((batch, vocab), bool)
-        .at[jnp.arange(batch)[:, None], tokens]
-        .max(jnp.arange(total)[None, :] < length)
-    )
+def _seen(tokens, valid, vocab: int):
+    """Which vocabulary entries occur at the valid (fed, non-padding) places of `tokens`."""
+    batch = tokens.shape[0]
+    return jnp.zeros((batch, vocab), bool).at[jnp.arange(batch)[:, None], tokens].max(valid)
 
 
-def _choose(logits, state_tokens, length, finished, config: GenerationConfig, key, pad):
-    seen = _seen(state_tokens, length)(logits.shape[-1])
+def _choose(logits, tokens, valid, finished, config: GenerationConfig, key, pad):
+    seen = _seen(tokens, valid, logits.shape[-1])
     chosen = next_tokens(logits, seen, config, key)
     chosen = jnp.where(finished, pad, chosen)
     eos = jnp.asarray(config.eos_token_id or (-1,), jnp.int32)
@@ -57,7 +53,7 @@ def prefill(model, input_ids, attention_mask, config: GenerationConfig, key) -> 
     key, sub = jax.random.split(key)
     length = jnp.asarray(prompt, jnp.int32)
     chosen, finished = _choose(
-        out.logits[:, -1], tokens, length, jnp.zeros((batch,), bool), config, sub, pad
+        out.logits[:, -1], tokens, out.cache.valid, jnp.zeros((batch,), bool), config, sub, pad
     )
     tokens = tokens.at[:, prompt].set(chosen)
     kwargs = model.update_inputs_for_generation(out, kwargs)
@@ -72,7 +68,7 @@ def decode_step(model, state: DecodeState, config: GenerationConfig) -> DecodeSt
     chosen, finished = _choose(
         out.logits[:, -1],
         state.tokens,
-        state.length,
+        out.cache.valid,
         state.finished,
         config,
         sub,

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -28,7 +29,7 @@ class GenerationConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    eos_token_id: tuple[int, ...] = ()
+    eos_token_id: int | Sequence[int] | None = ()
     pad_token_id: int | None = None
 
     def __post_init__(self):
