@@ -2,7 +2,7 @@
 semantic axes every array declares."""
 
 from . import axes as axes, models as models, nn as nn
-from ._cache import KVCache as KVCache
+from ._cache import KVCache as KVCache, KVLayer as KVLayer
 from ._explain import explain_sharding as explain_sharding
 from ._field import field as field
 from ._generation import generate as generate, stream_generate as stream_generate

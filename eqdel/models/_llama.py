@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
-from .._cache import KVCache
+from .._cache import KVCache, KVLayer
 from ..attention import attention_mask
 from ..nn import (
     Attention,
@@ -44,7 +44,8 @@ class LlamaConfig:
     and value projections only; `attention_bias` (Llama) on all four. `sliding_window`
     applies to the layers `layer_types` marks `"sliding_attention"` (all layers when
     `layer_types` is `None`). `scan_layers` runs the decoder with `lax.scan` (`False`
-    unrolls it; the numbers are identical).
+    unrolls it; the numbers agree to float rounding). `quantize_kv_cache` makes
+    `init_cache` store keys and values as int8 with a scale per token and head.
     """
 
     vocab_size: int = 32000
@@ -72,6 +73,7 @@ class LlamaConfig:
     pad_token_id: int | None = None
     model_type: str = "llama"
     scan_layers: bool = True
+    quantize_kv_cache: bool = False
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -252,9 +254,9 @@ class LlamaDecoderLayer(eqx.Module):
         cos: Float[Array, "batch seq rotary_dim"],
         sin: Float[Array, "batch seq rotary_dim"],
         mask: Bool[Array, "batch seq kv_len"],
-        kv: tuple | None = None,
+        kv: KVLayer | None = None,
         write_index: Int[Array, ""] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], tuple | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KVLayer | None]:
         """**Arguments:**
 
         - `h`: hidden states.
@@ -352,7 +354,7 @@ class LlamaModel(eqx.Module):
             query_index = write + offsets
             key_index = jnp.broadcast_to(jnp.arange(cache.max_length)[None, :], cache.valid.shape)
             key_valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, write))
-            kv = (cache.keys, cache.values)
+            kv = cache.layers
         windows = jnp.asarray(self.config.layer_windows, jnp.int32)
 
         def step(layer, h, inputs):
@@ -367,7 +369,7 @@ class LlamaModel(eqx.Module):
         )
         h = self.norm(h)
         if cache is not None:
-            cache = KVCache(keys=kv[0], values=kv[1], valid=key_valid, length=write + seq)
+            cache = KVCache(kv, key_valid, write + seq)
         states = None
         if output_hidden_states:
             states = (inputs, *(per_layer[i] for i in range(per_layer.shape[0] - 1)), h)
@@ -494,18 +496,27 @@ class LlamaForCausalLM(eqx.Module):
 
     # -- generation -------------------------------------------------------------------------
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+    def init_cache(
+        self, batch_size: int, max_length: int, dtype=None, *, quantize: bool | None = None
+    ) -> KVCache:
         """An empty [`eqdel.KVCache`][] for `batch_size` rows of up to `max_length` tokens.
 
         **Arguments:**
 
         - `batch_size`, `max_length`: the cache's size.
         - `dtype`: the cache dtype; the parameters' dtype by default.
+        - `quantize`: int8 storage; `config.quantize_kv_cache` by default.
         """
         c = self.config
         dtype = self.model.embed_tokens.weight.dtype if dtype is None else dtype
         return KVCache.empty(
-            c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim, dtype
+            c.num_hidden_layers,
+            batch_size,
+            max_length,
+            c.num_key_value_heads,
+            c.head_dim,
+            dtype,
+            quantize=c.quantize_kv_cache if quantize is None else quantize,
         )
 
     def prepare_inputs_for_generation(

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
+from .._cache import KVLayer
 from ..attention import vanilla_attention
 from ._linear import Linear
 from ._rotary import apply_rotary
@@ -130,16 +131,16 @@ class Attention(eqx.Module):
         cos: Float[Array, "batch seq rotary_dim"],
         sin: Float[Array, "batch seq rotary_dim"],
         mask: Bool[Array, "batch seq kv_len"],
-        kv: tuple[Float[Array, "batch kv_len kv_heads head_dim"], ...] | None = None,
+        kv: KVLayer | None = None,
         write_index: Int[Array, ""] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], tuple | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KVLayer | None]:
         """**Arguments:**
 
         - `x`: hidden states.
         - `cos`, `sin`: rotary tables for the tokens' positions.
         - `mask`: `True` where a query may attend to a key (the cache's slots when `kv`
             is given, else the tokens of `x`).
-        - `kv`: this layer's cached `(keys, values)`, or `None` without a cache.
+        - `kv`: this layer's [`eqdel.KVLayer`][], or `None` without a cache.
         - `write_index`: the cache slot of the first token of `x`.
 
         **Returns:**
@@ -150,7 +151,5 @@ class Attention(eqx.Module):
         q, k, v = self.project(x, cos, sin)
         if kv is None:
             return self.attend(q, k, v, mask), None
-        start = (0, write_index, 0, 0)
-        keys = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
-        values = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
-        return self.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask), (keys, values)
+        kv = kv.write(k, v, write_index)
+        return self.attend(q, *kv.read(q.dtype), mask), kv
