@@ -39,6 +39,58 @@ def _demo(args) -> int:
     return 0
 
 
+def _generate(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+    from tokenizers import Tokenizer
+
+    from ._generation import stream_generate
+    from ._generation_config import GenerationConfig
+    from .checkpoint import from_pretrained
+
+    path = Path(args.model_dir)
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ValueError(f"{path}: no tokenizer.json to encode the prompt with.")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    model = from_pretrained(path, progress=False, quantize_kv_cache=args.int8_cache)
+    defaults = GenerationConfig.from_pretrained(path)
+    if not defaults.eos_token_id:
+        defaults = dataclasses.replace(defaults, eos_token_id=model.config.eos_token_id)
+    if defaults.pad_token_id is None:
+        defaults = dataclasses.replace(defaults, pad_token_id=model.config.pad_token_id)
+    overrides = {
+        name: getattr(args, name)
+        for name in (
+            "max_new_tokens",
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+        )
+        if getattr(args, name) is not None
+    }
+    if args.temperature is not None:
+        overrides["do_sample"] = args.temperature > 0
+    tokens = tokenizer.encode(args.prompt).ids
+    ids = jnp.asarray([tokens], jnp.int32)
+    shown = tokenizer.decode(tokens)
+    print(shown, end="", flush=True)
+    for step in stream_generate(
+        model, ids, key=jax.random.key(args.seed), generation_config=defaults, **overrides
+    ):
+        tokens.append(int(step[0]))
+        text = tokenizer.decode(tokens)
+        print(text[len(shown) :], end="", flush=True)
+        shown = text
+    print()
+    return 0
+
+
 def _add_mesh_arguments(parser: argparse.ArgumentParser, default_devices: int | None) -> None:
     parser.add_argument("--axis-dims", default="1,-1,1,1", help="mesh sizes, e.g. 1,2,2,2")
     parser.add_argument("--axis-names", default="dp,fsdp,tp,sp", help="mesh axis names")
@@ -60,6 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_mesh_arguments(inspect_mesh, default_devices=None)
     inspect_mesh.set_defaults(run=_inspect_mesh)
+
+    generate = commands.add_parser(
+        "generate", help="generate text from a checkpoint with its tokenizer.json"
+    )
+    generate.add_argument("model_dir", help="Hugging Face checkpoint directory")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=None)
+    generate.add_argument("--temperature", type=float, default=None, help="0: greedy")
+    generate.add_argument("--top-k", type=int, default=None)
+    generate.add_argument("--top-p", type=float, default=None)
+    generate.add_argument("--min-p", type=float, default=None)
+    generate.add_argument("--repetition-penalty", type=float, default=None)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--int8-cache", action="store_true", help="int8 KV cache")
+    generate.set_defaults(run=_generate)
 
     demo = commands.add_parser(
         "demo", help="build a tiny model, shard it on simulated CPU devices and run it"

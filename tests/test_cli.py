@@ -34,3 +34,29 @@ def test_demo_runs_the_tiny_llama_sharded():
     assert ".model.layers.self_attn.q_proj.weight" in out.stdout
     difference = float(out.stdout.split("max |sharded - single device| = ")[1].split()[0])
     assert difference <= 1e-5
+
+
+def test_generate_streams_text_from_a_checkpoint(tmp_path):
+    import jax.numpy as jnp
+    from hf_reference import make_hf_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(96)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf_model = make_hf_model("llama")
+    hf_model.save_pretrained(tmp_path)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+
+    out = run("generate", str(tmp_path), "--prompt", "w5 w17 w3", "--max-new-tokens", "6")
+    assert out.returncode == 0, out.stderr
+    model = eqdel.from_pretrained(tmp_path, progress=False)
+    tokens = [
+        int(t) for t in eqdel.generate(model, jnp.asarray([[5, 17, 3]]), max_new_tokens=6)[0]
+    ]
+    eos = model.config.eos_token_id
+    end = tokens.index(eos, 3) + 1 if eos in tokens[3:] else len(tokens)
+    assert out.stdout.strip() == tokenizer.decode(tokens[:end])
+
+    missing = run("generate", str(tmp_path / "nowhere"), "--prompt", "w1")
+    assert missing.returncode == 2 and "no tokenizer.json" in missing.stderr
