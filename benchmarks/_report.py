@@ -6,6 +6,17 @@ from pathlib import Path
 
 import jax
 
+LLAMA_SIZES = dict(
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
+"""The random-weight Llama both benchmarks measure."""
+
 
 def machine() -> dict:
     import os

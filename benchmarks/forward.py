@@ -15,19 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from _report import write
+from _report import LLAMA_SIZES, write
 
 import eqdel
-
-SIZES = dict(
-    vocab_size=32000,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=1024,
-)
 
 
 def _time(fn, repeats: int) -> float:
@@ -42,7 +32,7 @@ def _time(fn, repeats: int) -> float:
 
 def throughput(batch: int, seq: int, vocab: int, repeats: int) -> dict:
     torch.manual_seed(0)
-    sizes = {**SIZES, "vocab_size": vocab}
+    sizes = {**LLAMA_SIZES, "vocab_size": vocab}
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
     ids = np.random.RandomState(0).randint(0, vocab, (batch, seq))
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,7 +72,7 @@ def compile_times(depths, seq: int) -> list[dict]:
     for depth in depths:
         for scan in (True, False):
             config = eqdel.models.LlamaConfig(
-                **{**SIZES, "vocab_size": 1024, "num_hidden_layers": depth}, scan_layers=scan
+                **{**LLAMA_SIZES, "vocab_size": 1024, "num_hidden_layers": depth}, scan_layers=scan
             )
             model = eqx_model(config)
             ids = jnp.zeros((1, seq), jnp.int32)
@@ -115,11 +105,11 @@ def main():
     compiles = compile_times([int(d) for d in args.depths.split(",")], args.seq)
     write(
         "forward",
-        {"sizes": SIZES, "throughput": speeds, "compile": compiles},
+        {"sizes": LLAMA_SIZES, "throughput": speeds, "compile": compiles},
         [
             (
                 f"Prefill, float32, batch {args.batch} x {args.seq} tokens, "
-                f"hidden {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} layers "
+                f"hidden {LLAMA_SIZES['hidden_size']}, {LLAMA_SIZES['num_hidden_layers']} layers "
                 f"(transformers: {speeds[0]['transformers_attention']} attention, "
                 f"{speeds[0]['torch_threads']} threads)",
                 ["vocab", "eqdel tokens/s", "transformers tokens/s", "speedup", "max abs diff"],

@@ -12,19 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from _report import write
+from _report import LLAMA_SIZES, write
 
 import eqdel
 
-SIZES = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=688,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=1024,
-)
+SIZES = {**LLAMA_SIZES, "vocab_size": 4096}
 
 
 def _seconds(fn) -> float:
