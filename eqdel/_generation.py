@@ -29,7 +29,9 @@ def _seen(tokens, valid, vocab: int):
 
 
 def _choose(logits, tokens, valid, finished, config: GenerationConfig, key, pad):
-    seen = _seen(tokens, valid, logits.shape[-1])
+    seen = None
+    if config.repetition_penalty != 1.0:
+        seen = _seen(tokens, valid, logits.shape[-1])
     chosen = next_tokens(logits, seen, config, key)
     chosen = jnp.where(finished, pad, chosen)
     eos = jnp.asarray(config.eos_token_id or (-1,), jnp.int32)

@@ -44,7 +44,7 @@ def allowed_tokens(
 
 def next_tokens(
     logits: Float[Array, "batch vocab"],
-    seen: Bool[Array, "batch vocab"],
+    seen: Bool[Array, "batch vocab"] | None,
     config: GenerationConfig,
     key: PRNGKeyArray,
 ) -> Int[Array, " batch"]:
@@ -53,7 +53,8 @@ def next_tokens(
     **Arguments:**
 
     - `logits`: next-token logits.
-    - `seen`: tokens already in each row (for the repetition penalty).
+    - `seen`: tokens already in each row; needed when `config.repetition_penalty` is
+        not `1.0`.
     - `config`: the sampling controls.
     - `key`: randomness for sampling.
 
