@@ -1,7 +1,7 @@
 """eqdel: large language models in JAX as immutable Equinox modules, sharded by the
 semantic axes every array declares."""
 
-from . import axes as axes, models as models, nn as nn
+from . import axes as axes, models as models, nn as nn, train as train
 from ._cache import KVCache as KVCache, KVLayer as KVLayer
 from ._explain import explain_sharding as explain_sharding
 from ._field import field as field

@@ -455,8 +455,12 @@ class LlamaForCausalLM(eqx.Module):
         h, states, cache = self.model(
             h, position_ids, token_valid, cache, output_hidden_states=output_hidden_states
         )
-        logits = self.model.embed_tokens.unembed(h) if self.lm_head is None else self.lm_head(h)
-        return CausalLMOutput(logits=logits, hidden_states=states, cache=cache)
+        return CausalLMOutput(logits=self.head(h), hidden_states=states, cache=cache)
+
+    def head(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:
+        """Logits from final (normed) hidden states: the LM head, or the transposed
+        embeddings when they are tied."""
+        return self.model.embed_tokens.unembed(h) if self.lm_head is None else self.lm_head(h)
 
     # -- the seed's model methods; setters return a new model -------------------------------
 

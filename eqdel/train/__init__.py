@@ -1,0 +1,13 @@
+"""Functional training: losses, train states and pure train steps."""
+
+from ._loss import (
+    IGNORE_INDEX as IGNORE_INDEX,
+    causal_lm_loss as causal_lm_loss,
+    chunked_cross_entropy as chunked_cross_entropy,
+)
+from ._step import (
+    NonFiniteError as NonFiniteError,
+    TrainState as TrainState,
+    init_train_state as init_train_state,
+    make_train_step as make_train_step,
+)

@@ -1,0 +1,171 @@
+"""Pure train steps: `step(state, batch) -> (state, metrics)` built on optax."""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import checkify
+from jaxtyping import Array, Int, PRNGKeyArray
+
+
+class NonFiniteError(FloatingPointError):
+    """A train step met a non-finite loss or gradient. `state` is the unchanged state
+    (the input's buffers were donated, so it is the one to keep using)."""
+
+    def __init__(self, message: str, state: "TrainState"):
+        super().__init__(message)
+        self.state = state
+
+
+class TrainState(eqx.Module):
+    """Everything a training run carries from step to step.
+
+    **Fields:**
+
+    - `step`: number of updates applied.
+    - `model`: the model (trainable and frozen parts).
+    - `opt_state`: the optax state, over the trainable arrays only.
+    - `key`: randomness for the next step.
+    """
+
+    step: Int[Array, ""]
+    model: eqx.Module
+    opt_state: optax.OptState
+    key: PRNGKeyArray
+
+
+def _trainable_spec(model, trainable):
+    """A pytree of bools: which array leaves are trained."""
+    if trainable is None:
+        return jax.tree.map(eqx.is_inexact_array, model)
+    if callable(trainable) and not isinstance(trainable, eqx.Module):
+        return jax.tree.map(lambda x: eqx.is_inexact_array(x) and bool(trainable(x)), model)
+    return trainable
+
+
+def init_train_state(
+    model, optimizer: optax.GradientTransformation, key: PRNGKeyArray, *, trainable=None
+) -> TrainState:
+    """A fresh [`eqdel.train.TrainState`][].
+
+    **Arguments:**
+
+    - `model`: the model to train.
+    - `optimizer`: any optax transformation.
+    - `key`: randomness for the run.
+    - `trainable`: which leaves to train: `None` (every inexact array), a pytree of bools
+        with the model's structure (as `equinox.partition` takes), or a function of a leaf.
+        The optimizer state holds only trainable leaves.
+    """
+    params = eqx.filter(model, _trainable_spec(model, trainable))
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
+        opt_state = optimizer.init(params)
+    return TrainState(jnp.zeros((), jnp.int32), model, opt_state, key)
+
+
+def make_train_step(
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    *,
+    grad_accum_steps: int = 1,
+    trainable=None,
+    skip_nonfinite: bool = False,
+    donate: bool = True,
+):
+    """Build a jitted, pure train step.
+
+    **Arguments:**
+
+    - `loss_fn`: `loss_fn(model, batch) -> (loss_sum, token_count)`, e.g.
+        [`eqdel.train.causal_lm_loss`][]. The step minimises `loss_sum / token_count`.
+    - `optimizer`: any optax transformation (chain `optax.clip_by_global_norm` for
+        clipping; schedules work as usual).
+    - `grad_accum_steps`: split each batch on its leading axis into this many
+        micro-batches, run them in a `lax.scan` and apply one update: the result equals
+        the update from the whole batch at once.
+    - `trainable`: as in [`eqdel.train.init_train_state`][] (use the same value).
+    - `skip_nonfinite`: on a non-finite loss or gradient, keep the state unchanged and
+        report it in the metrics (`finite`); otherwise raise
+        [`eqdel.train.NonFiniteError`][] naming the step, carrying the unchanged state.
+        Checking costs one host sync per step; skipping costs none.
+    - `donate`: donate the input state's buffers to the output.
+
+    **Returns:**
+
+    `step(state, batch) -> (state, metrics)` with metrics `loss`, `grad_norm`, `tokens`
+    and `finite`.
+    """
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be at least 1, not {grad_accum_steps}.")
+
+    def micro_batches(batch):
+        def split(x):
+            if x.shape[0] % grad_accum_steps:
+                raise ValueError(
+                    f"batch size {x.shape[0]} is not a multiple of grad_accum_steps "
+                    f"{grad_accum_steps}."
+                )
+            return x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:])
+
+        return jax.tree.map(split, batch)
+
+    def step(state: TrainState, batch):
+        spec = _trainable_spec(state.model, trainable)
+        params, frozen = eqx.partition(state.model, spec)
+
+        def loss_and_count(params, micro):
+            return loss_fn(eqx.combine(params, frozen), micro)
+
+        grad_fn = eqx.filter_value_and_grad(loss_and_count, has_aux=True)
+
+        def accumulate(carry, micro):
+            loss_sum, count, grads = carry
+            (micro_loss, micro_count), micro_grads = grad_fn(params, micro)
+            grads = jax.tree.map(jnp.add, grads, micro_grads)
+            return (loss_sum + micro_loss, count + micro_count, grads), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
+        (loss_sum, count, grads), _ = jax.lax.scan(accumulate, init, micro_batches(batch))
+        scale = 1.0 / jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        loss = loss_sum * scale
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if not skip_nonfinite:
+            checkify.check(
+                finite,
+                "non-finite loss ({loss}) or gradient norm ({norm}) at step {step}; the "
+                "state was not updated",
+                loss=loss,
+                norm=grad_norm,
+                step=state.step,
+            )
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, state.opt_state, params)
+        new_params = eqx.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+        key, _ = jax.random.split(state.key)
+        new_state = TrainState(
+            state.step + finite.astype(jnp.int32),
+            eqx.combine(new_params, frozen),
+            opt_state,
+            key,
+        )
+        metrics = dict(loss=loss, grad_norm=grad_norm, tokens=count, finite=finite)
+        return new_state, metrics
+
+    checked = eqx.filter_jit(checkify.checkify(step), donate="all" if donate else "none")
+
+    def run(state: TrainState, batch):
+        error, (state, metrics) = checked(state, batch)
+        message = None if skip_nonfinite else error.get()
+        if message is not None:
+            raise NonFiniteError(message, state)
+        return state, metrics
+
+    return run

@@ -1,0 +1,155 @@
+"""Loss, train steps, gradient accumulation, frozen leaves and non-finite handling."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from hf_reference import make_hf_model, random_ids
+
+import eqdel
+from eqdel.models import LlamaConfig, LlamaForCausalLM
+from eqdel.train import (
+    IGNORE_INDEX,
+    NonFiniteError,
+    causal_lm_loss,
+    init_train_state,
+    make_train_step,
+)
+
+CONFIG = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def batch_of(ids, **extra):
+    return {"input_ids": jnp.asarray(ids), **{k: jnp.asarray(v) for k, v in extra.items()}}
+
+
+def test_loss_matches_transformers_with_padding_and_ignored_labels(tmp_path):
+    hf_model = make_hf_model("llama")
+    hf_model.save_pretrained(tmp_path)
+    model = eqdel.from_pretrained(tmp_path, progress=False)
+    ids = random_ids(2, 10)
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    labels = np.where(mask == 1, ids, IGNORE_INDEX)
+    labels[0, :3] = IGNORE_INDEX  # a prompt excluded from the loss
+    with torch.no_grad():
+        want = hf_model(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels)
+        ).loss.item()
+    loss_sum, count = causal_lm_loss(
+        model, batch_of(ids, attention_mask=mask, labels=labels), chunk_size=4
+    )
+    assert int(count) == (labels[:, 1:] != IGNORE_INDEX).sum()
+    np.testing.assert_allclose(float(loss_sum / count), want, rtol=1e-6)
+
+
+def test_chunk_size_does_not_change_loss_or_gradients(getkey):
+    model = LlamaForCausalLM(CONFIG, key=getkey())
+    batch = batch_of(random_ids(2, 9, vocab=64))
+
+    def mean_loss(model, chunk):
+        loss_sum, count = causal_lm_loss(model, batch, chunk_size=chunk)
+        return loss_sum / count
+
+    big = eqx.filter_value_and_grad(lambda m: mean_loss(m, 1024))(model)
+    small = eqx.filter_value_and_grad(lambda m: mean_loss(m, 5))(model)
+    for a, b in zip(jax.tree.leaves(big), jax.tree.leaves(small)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_accumulation_equals_one_large_batch(getkey):
+    model = LlamaForCausalLM(CONFIG, key=getkey())
+    optimizer = optax.adamw(1e-2)
+    ids = random_ids(4, 8, vocab=64, seed=5)
+    mask = np.ones_like(ids)
+    mask[3, 5:] = 0  # unequal token counts per micro-batch
+    batch = batch_of(ids, attention_mask=mask)
+    states, metrics = [], []
+    for accum in (1, 2, 4):
+        step = make_train_step(causal_lm_loss, optimizer, grad_accum_steps=accum, donate=False)
+        state, m = step(init_train_state(model, optimizer, getkey()), batch)
+        states.append(state)
+        metrics.append(m)
+    for state, m in zip(states[1:], metrics[1:]):
+        np.testing.assert_allclose(float(m["loss"]), float(metrics[0]["loss"]), rtol=1e-6)
+        assert float(m["tokens"]) == float(metrics[0]["tokens"]) == 4 * 7 - 3
+        for a, b in zip(jax.tree.leaves(state.model), jax.tree.leaves(states[0].model)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_loss_falls_and_frozen_leaves_stay(getkey):
+    model = LlamaForCausalLM(CONFIG, key=getkey())
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    frozen_embeddings = jax.tree.map(lambda _: True, model)
+    frozen_embeddings = eqx.tree_at(
+        lambda m: m.model.embed_tokens.weight, frozen_embeddings, replace=False
+    )
+    state = init_train_state(model, optimizer, getkey(), trainable=frozen_embeddings)
+    trained = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
+    all_params = sum(x.size for x in jax.tree.leaves(model))
+    embed = model.model.embed_tokens.weight.size
+    assert trained == 2 * (all_params - embed)  # adam's two moments, embeddings left out
+    step = make_train_step(causal_lm_loss, optimizer, trainable=frozen_embeddings)
+    batch = batch_of(random_ids(4, 12, vocab=64, seed=1))
+    before = np.asarray(model.model.embed_tokens.weight)
+    losses = []
+    for _ in range(20):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.5 * losses[0]
+    assert int(state.step) == 20
+    np.testing.assert_array_equal(np.asarray(state.model.model.embed_tokens.weight), before)
+
+
+def test_non_finite_loss_raises_naming_step_or_is_skipped(getkey):
+    model = LlamaForCausalLM(CONFIG, key=getkey())
+    optimizer = optax.sgd(1e-2)
+    batch = batch_of(random_ids(2, 6, vocab=64))
+
+    def poisoned(model, batch):
+        loss_sum, count = causal_lm_loss(model, batch)
+        return loss_sum * jnp.inf, count
+
+    state = init_train_state(model, optimizer, getkey())
+    state, _ = make_train_step(causal_lm_loss, optimizer)(state, batch)
+    good = [np.asarray(x) for x in jax.tree.leaves(state.model)]
+    with pytest.raises(NonFiniteError, match=r"non-finite loss .* at step 1") as caught:
+        make_train_step(poisoned, optimizer)(state, batch)
+    kept = caught.value.state  # the input was donated; the error carries it unchanged
+    assert int(kept.step) == 1
+    for a, b in zip(jax.tree.leaves(kept.model), good):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+    skipping = make_train_step(poisoned, optimizer, skip_nonfinite=True, donate=False)
+    after, metrics = skipping(kept, batch)
+    assert not bool(metrics["finite"]) and int(after.step) == 1
+    for a, b in zip(jax.tree.leaves(after.model), jax.tree.leaves(kept.model)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_train_step_on_mesh_equals_single_device(getkey):
+    model = LlamaForCausalLM(CONFIG, key=getkey())
+    # SGD, so parameters differ only by lr x gradient differences (Adam's first step
+    # normalises each gradient entry to about +-lr, magnifying rounding near zero).
+    optimizer = optax.sgd(0.5)
+    cfg = eqdel.ShardingConfig(axis_dims=(2, 2, 2, 1))
+    batch = batch_of(random_ids(4, 8, vocab=64))
+    step = make_train_step(causal_lm_loss, optimizer, donate=False)
+    single, single_metrics = step(init_train_state(model, optimizer, jax.random.key(1)), batch)
+    sharded_state = eqdel.shard(init_train_state(model, optimizer, jax.random.key(1)), cfg)
+    sharded, sharded_metrics = step(sharded_state, batch)
+    np.testing.assert_allclose(
+        float(sharded_metrics["loss"]), float(single_metrics["loss"]), rtol=1e-6
+    )
+    for a, b in zip(jax.tree.leaves(sharded.model), jax.tree.leaves(single.model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
