@@ -153,3 +153,26 @@ def test_train_step_on_mesh_equals_single_device(getkey):
     )
     for a, b in zip(jax.tree.leaves(sharded.model), jax.tree.leaves(single.model)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots_saveable", "nothing_saveable"])
+def test_remat_policies_give_the_same_gradients(policy, getkey):
+    import dataclasses
+
+    key = getkey()
+    model = LlamaForCausalLM(CONFIG, key=key)
+    remat = LlamaForCausalLM(dataclasses.replace(CONFIG, remat_policy=policy), key=key)
+    batch = batch_of(random_ids(2, 8, vocab=64))
+
+    def mean_loss(model):
+        loss_sum, count = causal_lm_loss(model, batch)
+        return loss_sum / count
+
+    plain = eqx.filter_grad(mean_loss)(model)
+    rematerialised = eqx.filter_grad(mean_loss)(remat)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(rematerialised)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    jaxpr = str(jax.make_jaxpr(eqx.filter_grad(mean_loss))(remat))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+    with pytest.raises(ValueError, match="Unknown remat_policy 'some'"):
+        dataclasses.replace(CONFIG, remat_policy="some")

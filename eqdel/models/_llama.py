@@ -16,6 +16,7 @@ from .. import axes as ax
 from .._cache import KVCache, KVLayer
 from ..attention import attention_mask
 from ..nn import (
+    REMAT_POLICIES,
     Attention,
     Embedding,
     GatedMLP,
@@ -46,6 +47,8 @@ class LlamaConfig:
     `layer_types` is `None`). `scan_layers` runs the decoder with `lax.scan` (`False`
     unrolls it; the numbers agree to float rounding). `quantize_kv_cache` makes
     `init_cache` store keys and values as int8 with a scale per token and head.
+    `remat_policy` rematerialises each decoder layer in the backward pass (a name from
+    `eqdel.nn.REMAT_POLICIES`).
     """
 
     vocab_size: int = 32000
@@ -74,8 +77,13 @@ class LlamaConfig:
     model_type: str = "llama"
     scan_layers: bool = True
     quantize_kv_cache: bool = False
+    remat_policy: str = "none"
 
     def __post_init__(self):
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"Unknown remat_policy {self.remat_policy!r}; known: {sorted(REMAT_POLICIES)}."
+            )
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
@@ -365,7 +373,12 @@ class LlamaModel(eqx.Module):
 
         inputs = h
         h, (per_layer, kv) = run_layers(
-            self.layers, step, h, (windows, kv), scan=self.config.scan_layers
+            self.layers,
+            step,
+            h,
+            (windows, kv),
+            scan=self.config.scan_layers,
+            remat=self.config.remat_policy,
         )
         h = self.norm(h)
         if cache is not None:

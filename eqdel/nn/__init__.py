@@ -11,4 +11,8 @@ from ._rotary import (
     RotaryEmbedding as RotaryEmbedding,
     apply_rotary as apply_rotary,
 )
-from ._stacked import run_layers as run_layers, stack_layers as stack_layers
+from ._stacked import (
+    REMAT_POLICIES as REMAT_POLICIES,
+    run_layers as run_layers,
+    stack_layers as stack_layers,
+)
