@@ -176,3 +176,34 @@ def test_remat_policies_give_the_same_gradients(policy, getkey):
     assert "checkpoint" in jaxpr or "remat" in jaxpr
     with pytest.raises(ValueError, match="Unknown remat_policy 'some'"):
         dataclasses.replace(CONFIG, remat_policy="some")
+
+
+def test_data_reads_packs_and_shuffles_deterministically(tmp_path):
+    from eqdel.train import batches, pack, read_texts
+
+    (tmp_path / "data.jsonl").write_text('{"text": "a b"}\n\n{"text": "c"}\n')
+    assert read_texts(tmp_path / "data.jsonl") == ["a b", "c"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: record has no 'text' field"):
+        read_texts(tmp_path / "bad.jsonl")
+    (tmp_path / "data.txt").write_text("one\n\ntwo\n")
+    assert read_texts(tmp_path / "data.txt") == ["one", "two"]
+
+    blocks = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], 4, eos_token_id=0)
+    np.testing.assert_array_equal(blocks, [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]])
+    with pytest.raises(ValueError, match="do not fill one block of 16"):
+        pack([[1, 2]], 16)
+
+    many = pack([list(range(64))], 4)
+    first = [b["input_ids"] for b in batches(many, 4, seed=3, epochs=2)]
+    again = [b["input_ids"] for b in batches(many, 4, seed=3, epochs=2)]
+    other = [b["input_ids"] for b in batches(many, 4, seed=4, epochs=2)]
+    assert len(first) == 8
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+    seen = np.sort(np.concatenate(first[:4]).reshape(-1))
+    np.testing.assert_array_equal(seen, np.arange(64))  # one epoch covers every block once
+
+    cfg = eqdel.ShardingConfig(axis_dims=(2, 2, 2, 1))
+    placed = next(batches(many, 4, sharding=cfg))["input_ids"]
+    assert placed.sharding.spec == jax.sharding.PartitionSpec(("dp", "fsdp"), "sp")

@@ -1,5 +1,6 @@
 """Functional training: losses, train states and pure train steps."""
 
+from ._data import batches as batches, pack as pack, read_texts as read_texts
 from ._loss import (
     IGNORE_INDEX as IGNORE_INDEX,
     causal_lm_loss as causal_lm_loss,
