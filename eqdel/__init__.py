@@ -7,6 +7,14 @@ from ._explain import explain_sharding as explain_sharding
 from ._field import field as field
 from ._generation import generate as generate, stream_generate as stream_generate
 from ._generation_config import GenerationConfig as GenerationConfig
+from ._lora import (
+    LoRALinear as LoRALinear,
+    apply_lora as apply_lora,
+    load_lora as load_lora,
+    lora_filter as lora_filter,
+    merge_lora as merge_lora,
+    save_lora as save_lora,
+)
 from ._partition_rules import match_partition_rules as match_partition_rules
 from ._placement import constrain as constrain, partition_specs as partition_specs, shard as shard
 from ._sharding_config import ShardingConfig as ShardingConfig

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import equinox as eqx
 
+from .._lora import LoRALinear
+from .._paths import get_path as get_path
 from .._placement import is_array_like
 from ..nn import Linear
 
@@ -50,6 +52,11 @@ def hf_layout(model: eqx.Module) -> list[HFTensor]:
     out: list[HFTensor] = []
 
     def visit(module, where: tuple[str, ...], names: tuple[str, ...], stacked: bool):
+        if isinstance(module, LoRALinear):
+            raise ValueError(
+                f"{'.'.join(where)} carries LoRA adapters; merge_lora the model before "
+                "writing a Hugging Face checkpoint, or save the adapters with save_lora."
+            )
         for f in dataclasses.fields(module):
             if f.metadata.get("static", False):
                 continue
@@ -73,10 +80,3 @@ def hf_layout(model: eqx.Module) -> list[HFTensor]:
 
     visit(model, (), (), False)
     return out
-
-
-def get_path(tree, where: tuple[str, ...]):
-    """Follow an attribute path."""
-    for name in where:
-        tree = getattr(tree, name)
-    return tree

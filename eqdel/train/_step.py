@@ -90,7 +90,8 @@ def make_train_step(
         report it in the metrics (`finite`); otherwise raise
         [`eqdel.train.NonFiniteError`][] naming the step, carrying the unchanged state.
         Checking costs one host sync per step; skipping costs none.
-    - `donate`: donate the input state's buffers to the output.
+    - `donate`: donate the input state's trainable arrays and optimizer state to the
+        output (frozen arrays are never donated).
 
     **Returns:**
 
@@ -111,9 +112,8 @@ def make_train_step(
 
         return jax.tree.map(split, batch)
 
-    def step(state: TrainState, batch):
-        spec = _trainable_spec(state.model, trainable)
-        params, frozen = eqx.partition(state.model, spec)
+    def step(frozen, state: TrainState, batch):
+        params = state.model
 
         def loss_and_count(params, micro):
             return loss_fn(eqx.combine(params, frozen), micro)
@@ -159,10 +159,16 @@ def make_train_step(
         metrics = dict(loss=loss, grad_norm=grad_norm, tokens=count, finite=finite)
         return new_state, metrics
 
-    checked = eqx.filter_jit(checkify.checkify(step), donate="all" if donate else "none")
+    # The frozen part goes first and is never donated: it is shared with the caller's
+    # model (a LoRA base, frozen embeddings) and does not change.
+    donation = "all-except-first" if donate else "none"
+    checked = eqx.filter_jit(checkify.checkify(step), donate=donation)
 
     def run(state: TrainState, batch):
-        error, (state, metrics) = checked(state, batch)
+        params, frozen = eqx.partition(state.model, _trainable_spec(state.model, trainable))
+        error, (state, metrics) = checked(
+            frozen, eqx.tree_at(lambda s: s.model, state, params), batch
+        )
         message = None if skip_nonfinite else error.get()
         if message is not None:
             raise NonFiniteError(message, state)
