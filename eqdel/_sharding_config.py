@@ -58,11 +58,15 @@ class Fallback:
     mesh_axes: tuple[str, ...]
     mesh_size: int
 
-    def __str__(self) -> str:
+    def problem(self) -> str:
+        """What does not divide, e.g. `dim 0 (size 7) not divisible by 2 = mesh axes ...`."""
         return (
             f"dim {self.dim} (size {self.size}) not divisible by {self.mesh_size} "
-            f"= mesh axes {self.mesh_axes}; replicated"
+            f"= mesh axes {self.mesh_axes}"
         )
+
+    def __str__(self) -> str:
+        return f"{self.problem()}; replicated"
 
 
 def _parse_ints(value, what: str) -> tuple[int, ...]:
@@ -360,7 +364,7 @@ class ShardingConfig:
                     fallback = Fallback(dim, shape[dim], tuple(mesh_axes), total)
                     if self.strict:
                         raise ValueError(
-                            f"{where}: {fallback.__str__().replace('; replicated', '')} "
+                            f"{where}: {fallback.problem()} "
                             f"(axes {format_axes(axes)}, shape {tuple(shape)}). Change the "
                             "mesh, the rules, or use strict=False to replicate it."
                         )
