@@ -46,25 +46,26 @@ def _tensors(model) -> Iterator[tuple[str, np.ndarray]]:
             yield name, np.ascontiguousarray(block.T if tensor.transpose else block)
 
 
+def _groups(tensors, max_bytes: int) -> Iterator[dict[str, np.ndarray]]:
+    """Consecutive tensors in groups of at most `max_bytes` (a larger tensor alone)."""
+    group, size = {}, 0
+    for name, array in tensors:
+        if group and size + array.nbytes > max_bytes:
+            yield group
+            group, size = {}, 0
+        group[name] = array
+        size += array.nbytes
+    yield group
+
+
 def _write_shards(model, directory: Path, max_bytes: int) -> None:
-    shards: list[dict[str, np.ndarray]] = [{}]
-    sizes = [0]
     written: list[tuple[Path, list[str]]] = []
-
-    def flush():
-        file = directory / f"part-{len(written):05d}.safetensors"
-        save_file(shards[-1], str(file), metadata={"format": "pt"})
-        written.append((file, list(shards[-1])))
-        shards[-1], sizes[-1] = {}, 0
-
     total = 0
-    for name, array in _tensors(model):
-        if shards[-1] and sizes[-1] + array.nbytes > max_bytes:
-            flush()
-        shards[-1][name] = array
-        sizes[-1] += array.nbytes
-        total += array.nbytes
-    flush()
+    for group in _groups(_tensors(model), max_bytes):
+        file = directory / f"part-{len(written):05d}.safetensors"
+        save_file(group, str(file), metadata={"format": "pt"})
+        written.append((file, list(group)))
+        total += sum(array.nbytes for array in group.values())
 
     if len(written) == 1:
         written[0][0].rename(directory / SINGLE_FILE)

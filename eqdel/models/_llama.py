@@ -26,6 +26,7 @@ from ..nn import (
     run_layers,
     stack_layers,
 )
+from ..nn._rotary import freeze_parameters
 from ._outputs import CausalLMOutput
 from ._rope_config import read_rope, write_rope
 
@@ -64,7 +65,7 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_type: str = "default"
-    rope_parameters: tuple = ()
+    rope_parameters: Mapping | tuple = ()
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qkv_bias: bool = False
@@ -103,10 +104,7 @@ class LlamaConfig:
                 f"layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_hidden_layers} layers."
             )
-        if isinstance(self.rope_parameters, Mapping):
-            object.__setattr__(
-                self, "rope_parameters", tuple(sorted(self.rope_parameters.items()))
-            )
+        object.__setattr__(self, "rope_parameters", freeze_parameters(self.rope_parameters))
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -159,9 +157,7 @@ class LlamaConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_type=rope_type,
-            rope_parameters=tuple(
-                sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope_params.items())
-            ),
+            rope_parameters=rope_params,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
             qkv_bias=model_type == "qwen2",

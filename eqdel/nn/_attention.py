@@ -57,39 +57,23 @@ class Attention(eqx.Module):
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})."
             )
         kq, kk, kv, ko = jax.random.split(key, 4)
-        common = dict(dtype=dtype, initializer_range=initializer_range)
-        self.q_proj = Linear(
-            hidden_size,
-            num_heads * head_dim,
-            axes=(ax.EMBED, ax.HEAD),
-            use_bias=qkv_bias,
-            key=kq,
-            **common,
-        )
-        self.k_proj = Linear(
-            hidden_size,
-            num_kv_heads * head_dim,
-            axes=(ax.EMBED, ax.KV_HEAD),
-            use_bias=qkv_bias,
-            key=kk,
-            **common,
-        )
-        self.v_proj = Linear(
-            hidden_size,
-            num_kv_heads * head_dim,
-            axes=(ax.EMBED, ax.KV_HEAD),
-            use_bias=qkv_bias,
-            key=kv,
-            **common,
-        )
-        self.o_proj = Linear(
-            num_heads * head_dim,
-            hidden_size,
-            axes=(ax.HEAD, ax.EMBED),
-            use_bias=o_bias,
-            key=ko,
-            **common,
-        )
+
+        def projection(n_in, n_out, axes, use_bias, key):
+            return Linear(
+                n_in,
+                n_out,
+                axes=axes,
+                use_bias=use_bias,
+                dtype=dtype,
+                initializer_range=initializer_range,
+                key=key,
+            )
+
+        heads, kv_heads = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = projection(hidden_size, heads, (ax.EMBED, ax.HEAD), qkv_bias, kq)
+        self.k_proj = projection(hidden_size, kv_heads, (ax.EMBED, ax.KV_HEAD), qkv_bias, kk)
+        self.v_proj = projection(hidden_size, kv_heads, (ax.EMBED, ax.KV_HEAD), qkv_bias, kv)
+        self.o_proj = projection(heads, hidden_size, (ax.HEAD, ax.EMBED), o_bias, ko)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -68,6 +68,13 @@ def _llama3(params: Mapping, base: float, dim: int):
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def freeze_parameters(parameters: Mapping | tuple | None) -> tuple:
+    """Rope parameters as sorted `(name, value)` pairs with lists made tuples: hashable,
+    so they can live in static fields and frozen configs."""
+    items = dict(parameters or {}).items()
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in items))
+
+
 class RotaryEmbedding(eqx.Module):
     """Cos/sin tables for rotary position embeddings, computed from positions on the fly.
 
@@ -107,9 +114,7 @@ class RotaryEmbedding(eqx.Module):
         self.rope_theta = float(rope_theta)
         self.rope_type = rope_type
         self.partial_rotary_factor = float(parameters.pop("partial_rotary_factor", 1.0))
-        self.parameters = tuple(
-            sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in parameters.items())
-        )
+        self.parameters = freeze_parameters(parameters)
         self.max_position_embeddings = max_position_embeddings
 
     @property
