@@ -133,7 +133,8 @@ def shard(tree, cfg: ShardingConfig, mode: str | int = ax.MODE_TRAIN, kind: Kind
     """Place every array leaf of `tree` on `cfg.mesh()` from its declared semantic axes.
 
     Outside `jax.jit` leaves are moved with `jax.device_put`; inside, the placement is a
-    `jax.lax.with_sharding_constraint`. Leaves with no declared axes (an optimizer's step
+    `jax.lax.with_sharding_constraint`; a `jax.ShapeDtypeStruct` (from
+    `equinox.filter_eval_shape`) gets the sharding as its own. Leaves with no declared axes (an optimizer's step
     count, a user's own arrays) are replicated.
 
     **Arguments:**
@@ -154,6 +155,8 @@ def shard(tree, cfg: ShardingConfig, mode: str | int = ax.MODE_TRAIN, kind: Kind
         sharding = NamedSharding(mesh, p.spec)
         if isinstance(p.leaf, jax.core.Tracer):
             placed.append(jax.lax.with_sharding_constraint(p.leaf, sharding))
+        elif isinstance(p.leaf, jax.ShapeDtypeStruct):
+            placed.append(jax.ShapeDtypeStruct(p.leaf.shape, p.leaf.dtype, sharding=sharding))
         else:
             placed.append(jax.device_put(p.leaf, sharding))
     return _map_arrays(tree, placed)

@@ -1,5 +1,10 @@
 """Functional training: losses, train states and pure train steps."""
 
+from ._checkpoint import (
+    latest_train_step as latest_train_step,
+    restore_train_state as restore_train_state,
+    save_train_state as save_train_state,
+)
 from ._data import batches as batches, pack as pack, read_texts as read_texts
 from ._loss import (
     IGNORE_INDEX as IGNORE_INDEX,
