@@ -134,8 +134,8 @@ def shard(tree, cfg: ShardingConfig, mode: str | int = ax.MODE_TRAIN, kind: Kind
 
     Outside `jax.jit` leaves are moved with `jax.device_put`; inside, the placement is a
     `jax.lax.with_sharding_constraint`; a `jax.ShapeDtypeStruct` (from
-    `equinox.filter_eval_shape`) gets the sharding as its own. Leaves with no declared axes (an optimizer's step
-    count, a user's own arrays) are replicated.
+    `equinox.filter_eval_shape`) gets the sharding as its own. Leaves with no declared
+    axes (an optimizer's step count, a user's own arrays) are replicated.
 
     **Arguments:**
 
