@@ -207,3 +207,26 @@ def test_data_reads_packs_and_shuffles_deterministically(tmp_path):
     cfg = eqdel.ShardingConfig(axis_dims=(2, 2, 2, 1))
     placed = next(batches(many, 4, sharding=cfg))["input_ids"]
     assert placed.sharding.spec == jax.sharding.PartitionSpec(("dp", "fsdp"), "sp")
+
+
+def test_bfloat16_compute_keeps_float32_state_and_trains(getkey):
+    model = LlamaForCausalLM(CONFIG, key=getkey())
+    optimizer = optax.adamw(1e-2)
+    batch = batch_of(random_ids(4, 12, vocab=64, seed=2))
+    mixed = make_train_step(causal_lm_loss, optimizer, compute_dtype=jnp.bfloat16, donate=False)
+    plain = make_train_step(causal_lm_loss, optimizer, donate=False)
+    state = init_train_state(model, optimizer, getkey())
+    _, want = plain(state, batch)
+    losses = []
+    for _ in range(15):
+        state, metrics = mixed(state, batch)
+        losses.append(float(metrics["loss"]))
+        if len(losses) == 1:
+            assert losses[0] != float(want["loss"])  # computed in bfloat16: rounded ...
+            np.testing.assert_allclose(losses[0], float(want["loss"]), rtol=1e-2)  # ... a bit
+            np.testing.assert_allclose(
+                float(metrics["grad_norm"]), float(want["grad_norm"]), rtol=5e-2
+            )
+    assert losses[-1] < 0.6 * losses[0]
+    dtypes = {x.dtype for x in jax.tree.leaves(eqx.filter(state, eqx.is_inexact_array))}
+    assert dtypes == {jnp.dtype(jnp.float32)}

@@ -45,6 +45,12 @@ def _trainable_spec(model, trainable):
     return trainable
 
 
+def _cast_floating(x, dtype):
+    if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
+        return x.astype(dtype)
+    return x
+
+
 def init_train_state(
     model, optimizer: optax.GradientTransformation, key: PRNGKeyArray, *, trainable=None
 ) -> TrainState:
@@ -72,6 +78,7 @@ def make_train_step(
     grad_accum_steps: int = 1,
     trainable=None,
     skip_nonfinite: bool = False,
+    compute_dtype=None,
     donate: bool = True,
 ):
     """Build a jitted, pure train step.
@@ -90,6 +97,10 @@ def make_train_step(
         report it in the metrics (`finite`); otherwise raise
         [`eqdel.train.NonFiniteError`][] naming the step, carrying the unchanged state.
         Checking costs one host sync per step; skipping costs none.
+    - `compute_dtype`: run the forward and backward passes with the floating-point
+        parameters cast to this dtype (e.g. `jnp.bfloat16`), keeping the stored
+        parameters, gradients and optimizer state in their own dtype (mixed precision).
+        Losses are still reduced in float32.
     - `donate`: donate the input state's trainable arrays and optimizer state to the
         output (frozen arrays are never donated).
 
@@ -116,7 +127,10 @@ def make_train_step(
         params = state.model
 
         def loss_and_count(params, micro):
-            return loss_fn(eqx.combine(params, frozen), micro)
+            model = eqx.combine(params, frozen)
+            if compute_dtype is not None:
+                model = jax.tree.map(lambda x: _cast_floating(x, compute_dtype), model)
+            return loss_fn(model, micro)
 
         grad_fn = eqx.filter_value_and_grad(loss_and_count, has_aux=True)
 
