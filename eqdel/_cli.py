@@ -33,9 +33,45 @@ def _inspect_mesh(args) -> int:
 
 def _demo(args) -> int:
     _use_cpu_devices(args.devices)
-    from ._demo import run_demo
+    import dataclasses
 
-    run_demo(_sharding_config(args))
+    from ._demo import DEMO_OPTIONS, run_demo
+
+    options = (
+        DEMO_OPTIONS if args.steps is None else dataclasses.replace(DEMO_OPTIONS, steps=args.steps)
+    )
+    run_demo(_sharding_config(args), args.output, options)
+    return 0
+
+
+def _finetune(args) -> int:
+    _use_cpu_devices(args.devices)
+    from ._finetune import FinetuneOptions, finetune
+
+    options = FinetuneOptions(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        block_size=args.block_size,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_accum_steps=args.grad_accum_steps,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        compute_dtype=args.compute_dtype,
+        save_every=args.save_every,
+        seed=args.seed,
+        text_field=args.text_field,
+    )
+    result = finetune(
+        args.model_dir, args.data, args.output, options, sharding=_sharding_config(args)
+    )
+    if result.losses:
+        print(f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    print(f"model: {result.model_dir}")
+    if result.adapter_dir is not None:
+        print(f"adapter: {result.adapter_dir}")
+    print(f"metrics: {result.metrics_file}  loss curve: {result.plot_file}")
     return 0
 
 
@@ -128,9 +164,35 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--int8-cache", action="store_true", help="int8 KV cache")
     generate.set_defaults(run=_generate)
 
-    demo = commands.add_parser(
-        "demo", help="build a tiny model, shard it on simulated CPU devices and run it"
+    finetune = commands.add_parser(
+        "finetune", help="fine-tune a checkpoint on a .txt or .jsonl file (resumes)"
     )
+    finetune.add_argument("model_dir", help="Hugging Face checkpoint with tokenizer.json")
+    finetune.add_argument("data", help=".txt (a document per line) or .jsonl file")
+    finetune.add_argument("--output", default="finetune-output", help="output directory")
+    finetune.add_argument("--steps", type=int, default=100)
+    finetune.add_argument("--batch-size", type=int, default=8)
+    finetune.add_argument("--block-size", type=int, default=128)
+    finetune.add_argument("--learning-rate", type=float, default=3e-4)
+    finetune.add_argument("--warmup-steps", type=int, default=10)
+    finetune.add_argument("--weight-decay", type=float, default=0.0)
+    finetune.add_argument("--grad-accum-steps", type=int, default=1)
+    finetune.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters")
+    finetune.add_argument("--lora-alpha", type=float, default=None)
+    finetune.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32")
+    finetune.add_argument("--save-every", type=int, default=None)
+    finetune.add_argument("--seed", type=int, default=0)
+    finetune.add_argument("--text-field", default="text", help="JSONL field with the text")
+    _add_mesh_arguments(finetune, default_devices=None)
+    finetune.set_defaults(run=_finetune)
+
+    demo = commands.add_parser(
+        "demo",
+        help="shard a tiny Llama on simulated CPU devices, fine-tune it on the embedded "
+        "corpus, save, reload and generate",
+    )
+    demo.add_argument("--output", default=None, help="keep the run here (default: discard)")
+    demo.add_argument("--steps", type=int, default=None, help="fine-tuning steps")
     _add_mesh_arguments(demo, default_devices=8)
     demo.set_defaults(run=_demo, axis_dims="1,2,2,2")
     return parser

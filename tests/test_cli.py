@@ -27,13 +27,17 @@ def test_inspect_mesh_bad_dims_is_a_clear_error():
     assert "needs a multiple of 3 devices; found 8" in out.stderr
 
 
-def test_demo_runs_the_tiny_llama_sharded():
+def test_demo_shards_fine_tunes_reloads_and_generates():
     out = run("demo")
     assert out.returncode == 0, out.stderr
     assert "mesh (dp=1, fsdp=2, tp=2, sp=2)" in out.stdout
     assert ".model.layers.self_attn.q_proj.weight" in out.stdout
-    difference = float(out.stdout.split("max |sharded - single device| = ")[1].split()[0])
+    difference = float(out.stdout.split("max |sharded - single device| logits = ")[1].split()[0])
     assert difference <= 1e-5
+    first, last = out.stdout.split("\nloss ")[1].split()[0:3:2]
+    assert float(last) < 0.2 * float(first)
+    sample = out.stdout.split("generated: ")[1].strip()
+    assert sample.startswith("'The river") and len(sample) > len("'The river'") + 10
 
 
 def test_generate_streams_text_from_a_checkpoint(tmp_path):

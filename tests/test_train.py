@@ -179,7 +179,9 @@ def test_remat_policies_give_the_same_gradients(policy, getkey):
 
 
 def test_data_reads_packs_and_shuffles_deterministically(tmp_path):
-    from eqdel.train import batches, pack, read_texts
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from eqdel.train import batches, pack, read_texts, tokenize
 
     (tmp_path / "data.jsonl").write_text('{"text": "a b"}\n\n{"text": "c"}\n')
     assert read_texts(tmp_path / "data.jsonl") == ["a b", "c"]
@@ -188,6 +190,11 @@ def test_data_reads_packs_and_shuffles_deterministically(tmp_path):
         read_texts(tmp_path / "bad.jsonl")
     (tmp_path / "data.txt").write_text("one\n\ntwo\n")
     assert read_texts(tmp_path / "data.txt") == ["one", "two"]
+
+    words = {w: i for i, w in enumerate(["<unk>", "one", "two", "a", "b", "c"])}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    assert tokenize(["a b", "c", "one zzz two"], tokenizer) == [[3, 4], [5], [1, 0, 2]]
 
     blocks = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], 4, eos_token_id=0)
     np.testing.assert_array_equal(blocks, [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]])
@@ -201,6 +208,9 @@ def test_data_reads_packs_and_shuffles_deterministically(tmp_path):
     assert len(first) == 8
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert not all(np.array_equal(a, b) for a, b in zip(first, other))
+    resumed = [b["input_ids"] for b in batches(many, 4, seed=3, epochs=2, skip=5)]
+    assert len(resumed) == 3
+    assert all(np.array_equal(a, b) for a, b in zip(first[5:], resumed, strict=True))
     seen = np.sort(np.concatenate(first[:4]).reshape(-1))
     np.testing.assert_array_equal(seen, np.arange(64))  # one epoch covers every block once
 

@@ -5,7 +5,12 @@ from ._checkpoint import (
     restore_train_state as restore_train_state,
     save_train_state as save_train_state,
 )
-from ._data import batches as batches, pack as pack, read_texts as read_texts
+from ._data import (
+    batches as batches,
+    pack as pack,
+    read_texts as read_texts,
+    tokenize as tokenize,
+)
 from ._loss import (
     IGNORE_INDEX as IGNORE_INDEX,
     causal_lm_loss as causal_lm_loss,

@@ -38,6 +38,12 @@ def read_texts(path, *, field: str = "text") -> list[str]:
     return texts
 
 
+def tokenize(texts: list[str], tokenizer) -> list[list[int]]:
+    """Token ids of every text, encoded in parallel by a `tokenizers.Tokenizer` (as
+    loaded from a checkpoint's `tokenizer.json`), without special tokens."""
+    return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+
 def pack(documents: list[list[int]], block_size: int, *, eos_token_id: int | None = None):
     """Concatenate token lists (each followed by `eos_token_id` if given) and cut them
     into `[blocks, block_size]`; the incomplete tail is dropped.
@@ -66,6 +72,7 @@ def batches(
     *,
     seed: int = 0,
     epochs: int | None = None,
+    skip: int = 0,
     sharding: ShardingConfig | None = None,
 ) -> Iterator[dict]:
     """Shuffled batches of packed blocks, the same order for the same seed.
@@ -76,6 +83,7 @@ def batches(
     - `batch_size`: blocks per batch (at most the number of blocks).
     - `seed`: the shuffle seed; each epoch reshuffles deterministically.
     - `epochs`: how many passes (`None`: forever).
+    - `skip`: start after this many batches (to resume a run where it stopped).
     - `sharding`: place each batch with its batch axis on the mesh (dp, fsdp).
 
     **Yields:**
@@ -89,10 +97,11 @@ def batches(
     if sharding is not None:
         spec = sharding.resolve((ax.BATCH, ax.LENGTH), shape=(batch_size, blocks.shape[1]))
         placement = NamedSharding(sharding.mesh(), spec)
-    epoch = 0
+    per_epoch = len(blocks) // batch_size
+    epoch, first = divmod(skip, per_epoch)
     while epochs is None or epoch < epochs:
         order = np.random.default_rng([seed, epoch]).permutation(len(blocks))
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            ids = blocks[order[start : start + batch_size]]
+        for index in range(first, per_epoch):
+            ids = blocks[order[index * batch_size : (index + 1) * batch_size]]
             yield {"input_ids": ids if placement is None else jax.device_put(ids, placement)}
-        epoch += 1
+        epoch, first = epoch + 1, 0
