@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import axes as ax
@@ -129,6 +130,20 @@ def partition_specs(
     return _map_arrays(tree, [p.spec for p in placements(tree, cfg, mode, kind)])
 
 
+def _is_local(x) -> bool:
+    return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _from_local_copy(x, sharding: NamedSharding) -> jax.Array:
+    """A global array on a mesh spanning several processes, each process filling its
+    own devices from its full local copy of `x` (the same on every process)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _from_local_copy(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard(tree, cfg: ShardingConfig, mode: str | int = ax.MODE_TRAIN, kind: Kind = "parameter"):
     """Place every array leaf of `tree` on `cfg.mesh()` from its declared semantic axes.
 
@@ -157,8 +172,10 @@ def shard(tree, cfg: ShardingConfig, mode: str | int = ax.MODE_TRAIN, kind: Kind
             placed.append(jax.lax.with_sharding_constraint(p.leaf, sharding))
         elif isinstance(p.leaf, jax.ShapeDtypeStruct):
             placed.append(jax.ShapeDtypeStruct(p.leaf.shape, p.leaf.dtype, sharding=sharding))
-        else:
+        elif sharding.is_fully_addressable or not _is_local(p.leaf):
             placed.append(jax.device_put(p.leaf, sharding))
+        else:
+            placed.append(_from_local_copy(p.leaf, sharding))
     return _map_arrays(tree, placed)
 
 

@@ -137,21 +137,27 @@ def test_non_finite_loss_raises_naming_step_or_is_skipped(getkey):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_train_step_on_mesh_equals_single_device(getkey):
+@pytest.mark.parametrize("dims", [(1, 2, 2, 2), (2, 4, 1, 1), (2, 2, 2, 1)])
+def test_three_train_steps_on_a_mesh_equal_single_device(dims, getkey):
     model = LlamaForCausalLM(CONFIG, key=getkey())
     # SGD, so parameters differ only by lr x gradient differences (Adam's first step
     # normalises each gradient entry to about +-lr, magnifying rounding near zero).
     optimizer = optax.sgd(0.5)
-    cfg = eqdel.ShardingConfig(axis_dims=(2, 2, 2, 1))
-    batch = batch_of(random_ids(4, 8, vocab=64))
-    step = make_train_step(causal_lm_loss, optimizer, donate=False)
-    single, single_metrics = step(init_train_state(model, optimizer, jax.random.key(1)), batch)
-    sharded_state = eqdel.shard(init_train_state(model, optimizer, jax.random.key(1)), cfg)
-    sharded, sharded_metrics = step(sharded_state, batch)
-    np.testing.assert_allclose(
-        float(sharded_metrics["loss"]), float(single_metrics["loss"]), rtol=1e-6
-    )
+    cfg = eqdel.ShardingConfig(axis_dims=dims)
+    data = [batch_of(random_ids(4, 8, vocab=64, seed=s)) for s in range(3)]
+    step = make_train_step(causal_lm_loss, optimizer)
+    single = init_train_state(model, optimizer, jax.random.key(1))
+    sharded = eqdel.shard(init_train_state(model, optimizer, jax.random.key(1)), cfg)
+    for batch in data:
+        single, single_metrics = step(single, batch)
+        spec = cfg.resolve((eqdel.axes.BATCH, eqdel.axes.LENGTH), shape=(4, 8))
+        placed = jax.device_put(batch, jax.sharding.NamedSharding(cfg.mesh(), spec))
+        sharded, sharded_metrics = step(sharded, placed)
+        np.testing.assert_allclose(
+            float(sharded_metrics["loss"]), float(single_metrics["loss"]), rtol=1e-6
+        )
     for a, b in zip(jax.tree.leaves(sharded.model), jax.tree.leaves(single.model)):
+        assert len(a.sharding.device_set) == 8
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
