@@ -5,6 +5,11 @@ from . import axes as axes, models as models, nn as nn, train as train
 from ._cache import KVCache as KVCache, KVLayer as KVLayer
 from ._explain import explain_sharding as explain_sharding
 from ._field import field as field
+from ._finetune import (
+    FinetuneOptions as FinetuneOptions,
+    FinetuneResult as FinetuneResult,
+    finetune as finetune,
+)
 from ._generation import generate as generate, stream_generate as stream_generate
 from ._generation_config import GenerationConfig as GenerationConfig
 from ._lora import (
