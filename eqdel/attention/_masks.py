@@ -1,5 +1,6 @@
-"""Boolean attention masks from token indices, padding and sliding windows."""
+"""Attention masks from token indices, padding and sliding windows."""
 
+import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
@@ -34,3 +35,34 @@ def attention_mask(
         return allowed
     window = jnp.asarray(sliding_window)
     return allowed & ((window <= 0) | (distance < window))
+
+
+class AttentionMask(eqx.Module):
+    """What [`eqdel.attention.attention_mask`][] is made of, kept small: every kernel
+    builds the blocks of the mask it needs from it, so no kernel but the vanilla one
+    holds a `[q_len, kv_len]` mask.
+
+    **Fields:**
+
+    - `query_index`: `[batch, q_len]` index of every query in the key/value sequence.
+    - `key_index`: `[batch, kv_len]` index of every key.
+    - `key_valid`: `[batch, kv_len]`, `False` for padding and unwritten cache slots.
+    - `sliding_window`: scalar window size (`0`: none).
+    """
+
+    query_index: Int[Array, "batch q_len"]
+    key_index: Int[Array, "batch kv_len"]
+    key_valid: Bool[Array, "batch kv_len"]
+    sliding_window: Int[Array, ""]
+
+    def __init__(self, query_index, key_index, key_valid, sliding_window=0):
+        self.query_index = jnp.asarray(query_index, jnp.int32)
+        self.key_index = jnp.asarray(key_index, jnp.int32)
+        self.key_valid = jnp.asarray(key_valid, bool)
+        self.sliding_window = jnp.asarray(0 if sliding_window is None else sliding_window)
+
+    def dense(self) -> Bool[Array, "batch q_len kv_len"]:
+        """The whole mask, `True` where attention is allowed."""
+        return attention_mask(
+            self.query_index, self.key_index, self.key_valid, self.sliding_window
+        )

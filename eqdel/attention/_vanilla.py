@@ -2,16 +2,17 @@
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from ..axes import DEFAULT_MASK_VALUE
+from ._masks import AttentionMask
 
 
 def vanilla_attention(
     query: Float[Array, "batch q_len heads head_dim"],
     key: Float[Array, "batch kv_len kv_heads head_dim"],
     value: Float[Array, "batch kv_len kv_heads head_dim"],
-    mask: Bool[Array, "batch q_len kv_len"],
+    mask: AttentionMask,
     *,
     scale: float,
     soft_cap: float | None = None,
@@ -22,7 +23,8 @@ def vanilla_attention(
     **Arguments:**
 
     - `query`, `key`, `value`: projected and rotated inputs.
-    - `mask`: `True` where a query may attend to a key.
+    - `mask`: an [`eqdel.attention.AttentionMask`][]; its dense `[batch, q_len, kv_len]`
+        form is built here.
     - `scale`: multiplies the scores (usually `head_dim ** -0.5`).
     - `soft_cap`: if given, scores become `soft_cap * tanh(scores / soft_cap)`.
 
@@ -44,7 +46,7 @@ def vanilla_attention(
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = scores.reshape(batch, kv_heads, group, q_len, kv_len)
-    scores = jnp.where(mask[:, None, None, :, :], scores, DEFAULT_MASK_VALUE)
+    scores = jnp.where(mask.dense()[:, None, None, :, :], scores, DEFAULT_MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
     weights = weights.reshape(batch, kv_heads, group * q_len, kv_len)
     out = jnp.einsum("bkqs,bksd->bkqd", weights, value)

@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
 from .._cache import KVCache, KVLayer
-from ..attention import attention_mask
+from ..attention import ATTENTION_MECHANISMS, AttentionMask
 from ..nn import (
     REMAT_POLICIES,
     Attention,
@@ -49,7 +49,11 @@ class LlamaConfig:
     unrolls it; the numbers agree to float rounding). `quantize_kv_cache` makes
     `init_cache` store keys and values as int8 with a scale per token and head.
     `remat_policy` rematerialises each decoder layer in the backward pass (a name from
-    `eqdel.nn.REMAT_POLICIES`).
+    `eqdel.nn.REMAT_POLICIES`). `attn_mechanism` names the attention kernel (one of
+    `eqdel.attention.ATTENTION_MECHANISMS`; `block_q`/`block_k` are the chunked kernel's
+    blocks). `use_scan_mlp` applies the MLP to `scan_mlp_chunk_size` tokens at a time,
+    capping its activation memory with the same numbers. These last options are eqdel's
+    own and are not written to `config.json`.
     """
 
     vocab_size: int = 32000
@@ -79,8 +83,17 @@ class LlamaConfig:
     scan_layers: bool = True
     quantize_kv_cache: bool = False
     remat_policy: str = "none"
+    attn_mechanism: str = "auto"
+    block_q: int = 128
+    block_k: int = 128
+    use_scan_mlp: bool = False
+    scan_mlp_chunk_size: int = 1024
 
     def __post_init__(self):
+        if self.attn_mechanism not in ATTENTION_MECHANISMS:
+            raise ValueError(
+                f"Unknown attn_mechanism {self.attn_mechanism!r}; known: {ATTENTION_MECHANISMS}."
+            )
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(
                 f"Unknown remat_policy {self.remat_policy!r}; known: {sorted(REMAT_POLICIES)}."
@@ -219,6 +232,7 @@ class LlamaDecoderLayer(eqx.Module):
     self_attn: Attention
     post_attention_layernorm: RMSNorm
     mlp: GatedMLP
+    mlp_chunk_size: int | None = eqx.field(static=True)
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, key: PRNGKeyArray):
         """**Arguments:**
@@ -237,6 +251,9 @@ class LlamaDecoderLayer(eqx.Module):
             c.head_dim,
             qkv_bias=c.attention_bias or c.qkv_bias,
             o_bias=c.attention_bias,
+            mechanism=c.attn_mechanism,
+            block_q=c.block_q,
+            block_k=c.block_k,
             dtype=dtype,
             initializer_range=c.initializer_range,
             key=k_attn,
@@ -251,13 +268,14 @@ class LlamaDecoderLayer(eqx.Module):
             initializer_range=c.initializer_range,
             key=k_mlp,
         )
+        self.mlp_chunk_size = c.scan_mlp_chunk_size if c.use_scan_mlp else None
 
     def __call__(
         self,
         h: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq rotary_dim"],
         sin: Float[Array, "batch seq rotary_dim"],
-        mask: Bool[Array, "batch seq kv_len"],
+        mask: AttentionMask,
         kv: KVLayer | None = None,
         write_index: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KVLayer | None]:
@@ -275,7 +293,18 @@ class LlamaDecoderLayer(eqx.Module):
         """
         attended, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, write_index)
         h = h + attended
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        return h + self._mlp(self.post_attention_layernorm(h)), kv
+
+    def _mlp(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
+        """The MLP, over `mlp_chunk_size` tokens at a time when that is set."""
+        seq = x.shape[1]
+        if self.mlp_chunk_size is None or seq <= self.mlp_chunk_size:
+            return self.mlp(x)
+        chunks = -(-seq // self.mlp_chunk_size)
+        padded = jnp.pad(x, ((0, 0), (0, chunks * self.mlp_chunk_size - seq), (0, 0)))
+        blocks = jnp.moveaxis(padded.reshape(x.shape[0], chunks, -1, x.shape[2]), 1, 0)
+        out = jax.lax.map(self.mlp, blocks)
+        return jnp.moveaxis(out, 0, 1).reshape(x.shape[0], -1, x.shape[2])[:, :seq]
 
 
 class LlamaModel(eqx.Module):
@@ -363,7 +392,7 @@ class LlamaModel(eqx.Module):
 
         def step(layer, h, inputs):
             window, layer_kv = inputs
-            mask = attention_mask(query_index, key_index, key_valid, window)
+            mask = AttentionMask(query_index, key_index, key_valid, window)
             out, layer_kv = layer(h, cos, sin, mask, layer_kv, write)
             return out, (out if output_hidden_states else None, layer_kv)
 

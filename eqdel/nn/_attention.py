@@ -3,11 +3,11 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
 from .._cache import KVLayer
-from ..attention import vanilla_attention
+from ..attention import ATTENTION_MECHANISMS, AttentionMask, attention
 from ._linear import Linear
 from ._rotary import apply_rotary
 
@@ -25,6 +25,9 @@ class Attention(eqx.Module):
     head_dim: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
     soft_cap: float | None = eqx.field(static=True)
+    mechanism: str = eqx.field(static=True)
+    block_q: int = eqx.field(static=True)
+    block_k: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -37,6 +40,9 @@ class Attention(eqx.Module):
         o_bias: bool = False,
         scale: float | None = None,
         soft_cap: float | None = None,
+        mechanism: str = "auto",
+        block_q: int = 128,
+        block_k: int = 128,
         dtype=jnp.float32,
         initializer_range: float = 0.02,
         key: PRNGKeyArray,
@@ -49,12 +55,18 @@ class Attention(eqx.Module):
         - `qkv_bias`, `o_bias`: biases on the input and output projections.
         - `scale`: score scale; `head_dim ** -0.5` by default.
         - `soft_cap`: optional logit soft-capping of the scores.
+        - `mechanism`, `block_q`, `block_k`: the attention kernel (one of
+            [`eqdel.attention.ATTENTION_MECHANISMS`][]) and the chunked kernel's blocks.
         - `dtype`, `initializer_range`: parameter dtype and initialisation scale.
         - `key`: a `jax.random` key.
         """
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})."
+            )
+        if mechanism not in ATTENTION_MECHANISMS:
+            raise ValueError(
+                f"Unknown attention mechanism {mechanism!r}; known: {ATTENTION_MECHANISMS}."
             )
         kq, kk, kv, ko = jax.random.split(key, 4)
 
@@ -79,6 +91,9 @@ class Attention(eqx.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else float(scale)
         self.soft_cap = soft_cap
+        self.mechanism = mechanism
+        self.block_q = block_q
+        self.block_k = block_k
 
     def project(
         self,
@@ -102,10 +117,20 @@ class Attention(eqx.Module):
         q: Float[Array, "batch q_len heads head_dim"],
         k: Float[Array, "batch kv_len kv_heads head_dim"],
         v: Float[Array, "batch kv_len kv_heads head_dim"],
-        mask: Bool[Array, "batch q_len kv_len"],
+        mask: AttentionMask,
     ) -> Float[Array, "batch q_len embed"]:
         """Attention over (possibly cached) keys and values, then the output projection."""
-        out = vanilla_attention(q, k, v, mask, scale=self.scale, soft_cap=self.soft_cap)
+        out = attention(
+            q,
+            k,
+            v,
+            mask,
+            scale=self.scale,
+            soft_cap=self.soft_cap,
+            mechanism=self.mechanism,
+            block_q=self.block_q,
+            block_k=self.block_k,
+        )
         batch, q_len = out.shape[:2]
         return self.o_proj(out.reshape(batch, q_len, self.num_heads * self.head_dim))
 
@@ -114,7 +139,7 @@ class Attention(eqx.Module):
         x: Float[Array, "batch seq embed"],
         cos: Float[Array, "batch seq rotary_dim"],
         sin: Float[Array, "batch seq rotary_dim"],
-        mask: Bool[Array, "batch seq kv_len"],
+        mask: AttentionMask,
         kv: KVLayer | None = None,
         write_index: Int[Array, ""] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KVLayer | None]:
@@ -122,8 +147,8 @@ class Attention(eqx.Module):
 
         - `x`: hidden states.
         - `cos`, `sin`: rotary tables for the tokens' positions.
-        - `mask`: `True` where a query may attend to a key (the cache's slots when `kv`
-            is given, else the tokens of `x`).
+        - `mask`: an [`eqdel.attention.AttentionMask`][] over the cache's slots when `kv`
+            is given, else over the tokens of `x`.
         - `kv`: this layer's [`eqdel.KVLayer`][], or `None` without a cache.
         - `write_index`: the cache slot of the first token of `x`.
 
