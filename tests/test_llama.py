@@ -57,6 +57,11 @@ CASES = {
         "qwen2",
         dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
     ),
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "qwen3-bias-window": (
+        "qwen3",
+        dict(attention_bias=True, use_sliding_window=True, sliding_window=3, max_window_layers=1),
+    ),
 }
 
 
@@ -75,7 +80,7 @@ def test_logits_match_transformers(case, tmp_path):
     np.testing.assert_allclose(got, hf_logits(hf_model, ids), rtol=0, atol=TOL)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 def test_padded_batch_matches_transformers(model_type, tmp_path):
     hf_model = make_hf_model(model_type, sliding_window=4 if model_type == "mistral" else None)
     model = load(tmp_path, hf_model)
@@ -121,7 +126,9 @@ def test_hidden_states_and_inputs_embeds_match_transformers(tmp_path):
     )
 
 
-@pytest.mark.parametrize("case", ["llama-gqa-tied", "mistral-window", "qwen2", "llama-rope-yarn"])
+@pytest.mark.parametrize(
+    "case", ["llama-gqa-tied", "mistral-window", "qwen2", "qwen3-bias-window", "llama-rope-yarn"]
+)
 def test_save_then_transformers_loads_identical(case, tmp_path):
     model_type, overrides = CASES[case]
     hf_model = make_hf_model(model_type, **overrides)
@@ -157,8 +164,9 @@ def test_eqdel_round_trip_is_exact(tmp_path, getkey):
     assert again.config == config
 
 
-def test_sharded_model_matches_single_device(tmp_path):
-    hf_model = make_hf_model("llama", num_attention_heads=4, num_key_value_heads=2)
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_sharded_model_matches_single_device(model_type, tmp_path):
+    hf_model = make_hf_model(model_type, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     single = load(tmp_path, hf_model)
     cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
     sharded = eqdel.from_pretrained(tmp_path / "hf", sharding=cfg, progress=False)

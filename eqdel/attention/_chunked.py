@@ -23,6 +23,24 @@ def _blocks(x, axis: int, size: int, fill):
     return jnp.moveaxis(x, axis, 0)
 
 
+def _unblocks(x, axis: int, length: int):
+    """Undo `_blocks`: move the block dimension back before `axis`, merge the two and
+    drop the padding."""
+    x = jnp.moveaxis(x, 0, axis)
+    x = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+    return jax.lax.slice_in_dim(x, 0, length, axis=axis)
+
+
+def _key_blocks(k, v, mask: AttentionMask, block_k: int):
+    """Keys, values, key indices and validity in blocks; the padding keys get index -1."""
+    return (
+        _blocks(k, 2, block_k, 0),
+        _blocks(v, 2, block_k, 0),
+        _blocks(mask.key_index, 1, block_k, -1),
+        _blocks(mask.key_valid, 1, block_k, False),
+    )
+
+
 def block_scores(q, k, qi, ki, kv, window, scale, soft_cap):
     """One block's scores `[batch, kv_heads, group, bq, bk]` (float32, soft-capped,
     masked) and the derivative of the soft cap.
@@ -69,13 +87,10 @@ def _forward(q, k, v, mask: AttentionMask, scale, soft_cap, block_q, block_k):
     statistics: its maximum score and the sum of exponentials below it. (Kept apart, not
     as a log-sum-exp: for a fully masked row the maximum is `DEFAULT_MASK_VALUE`, beside
     which the log of the sum vanishes in float32.)"""
-    batch, kv_heads, group, q_len, head_dim = q.shape
+    q_len = q.shape[3]
     qb = _blocks(q, 3, block_q, 0)
     qib = _blocks(mask.query_index, 1, block_q, 0)
-    kb = _blocks(k, 2, block_k, 0)
-    vb = _blocks(v, 2, block_k, 0)
-    kib = _blocks(mask.key_index, 1, block_k, -1)
-    kvb = _blocks(mask.key_valid, 1, block_k, False)
+    key_blocks = _key_blocks(k, v, mask, block_k)
 
     def one_query_block(q_blk, qi_blk):
         def over_keys(carry, key_block):
@@ -86,15 +101,11 @@ def _forward(q, k, v, mask: AttentionMask, scale, soft_cap, block_q, block_k):
             return online_softmax_step(carry, scores, v_blk), None
 
         init = online_softmax_init(q_blk)
-        (row_max, row_sum, acc), _ = jax.lax.scan(over_keys, init, (kb, vb, kib, kvb))
+        (row_max, row_sum, acc), _ = jax.lax.scan(over_keys, init, key_blocks)
         return acc / row_sum[..., None], row_max, row_sum
 
-    out, row_max, row_sum = jax.lax.map(lambda x: one_query_block(*x), (qb, qib))
-    out = jnp.moveaxis(out, 0, 3).reshape(batch, kv_heads, group, -1, head_dim)[..., :q_len, :]
-    row_max, row_sum = (
-        jnp.moveaxis(x, 0, 3).reshape(batch, kv_heads, group, -1)[..., :q_len]
-        for x in (row_max, row_sum)
-    )
+    blocked = jax.lax.map(lambda x: one_query_block(*x), (qb, qib))
+    out, row_max, row_sum = (_unblocks(x, 3, q_len) for x in blocked)
     return out.astype(q.dtype), row_max, row_sum
 
 
@@ -117,9 +128,7 @@ def _flash_bwd(scale, soft_cap, block_q, block_k, residuals, d_out):
     mb, lb = _blocks(row_max, 3, block_q, 0.0), _blocks(row_sum, 3, block_q, 1.0)
     deltab = _blocks(delta, 3, block_q, 0.0)
     qib = _blocks(mask.query_index, 1, block_q, 0)
-    kb, vb = _blocks(k, 2, block_k, 0), _blocks(v, 2, block_k, 0)
-    kib = _blocks(mask.key_index, 1, block_k, -1)
-    kvb = _blocks(mask.key_valid, 1, block_k, False)
+    key_blocks = _key_blocks(k, v, mask, block_k)
     window = mask.sliding_window
 
     def block_grads(rows, k_blk, v_blk, ki_blk, kv_blk):
@@ -140,7 +149,7 @@ def _flash_bwd(scale, soft_cap, block_q, block_k, residuals, d_out):
             return dq + jnp.einsum("bkgqs,bksd->bkgqd", ds, key_block[0].astype(jnp.float32)), None
 
         zeros = jnp.zeros(query_rows[0].shape, jnp.float32)
-        dq, _ = jax.lax.scan(over_keys, zeros, (kb, vb, kib, kvb))
+        dq, _ = jax.lax.scan(over_keys, zeros, key_blocks)
         return dq
 
     def dkv_for_key_block(k_blk, v_blk, ki_blk, kv_blk):
@@ -157,10 +166,9 @@ def _flash_bwd(scale, soft_cap, block_q, block_k, residuals, d_out):
         return dk, dv
 
     dq = jax.lax.map(dq_for_query_block, rows)
-    dk, dv = jax.lax.map(lambda x: dkv_for_key_block(*x), (kb, vb, kib, kvb))
-    dq = jnp.moveaxis(dq, 0, 3).reshape(*q.shape[:3], -1, q.shape[4])[..., :q_len, :]
-    dk = jnp.moveaxis(dk, 0, 2).reshape(*k.shape[:2], -1, k.shape[3])[:, :, :kv_len]
-    dv = jnp.moveaxis(dv, 0, 2).reshape(*v.shape[:2], -1, v.shape[3])[:, :, :kv_len]
+    dk, dv = jax.lax.map(lambda x: dkv_for_key_block(*x), key_blocks)
+    dq = _unblocks(dq, 3, q_len)
+    dk, dv = _unblocks(dk, 2, kv_len), _unblocks(dv, 2, kv_len)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 

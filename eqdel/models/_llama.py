@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Mistral (sliding window) and Qwen2 (q/k/v biases).
+"""The Llama family: Llama, Mistral (sliding window), Qwen2 (q/k/v biases) and Qwen3
+(per-head q/k norms).
 
 One config and one model cover the three; `model_type` decides what config.json says and
 which flags the Hugging Face config implies.
@@ -34,7 +35,9 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
+_QWEN_WINDOWS = ("qwen2", "qwen3")  # windows set by use_sliding_window / max_window_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +46,8 @@ class LlamaConfig:
 
     `num_key_value_heads` and `head_dim` default to (and are set to) `num_attention_heads`
     and `hidden_size // num_attention_heads`. `qkv_bias` (Qwen2) puts biases on the query, key
-    and value projections only; `attention_bias` (Llama) on all four. `sliding_window`
+    and value projections only; `attention_bias` (Llama, Qwen3) on all four. `qk_norm`
+    (Qwen3) normalises queries and keys per head before the rotation. `sliding_window`
     applies to the layers `layer_types` marks `"sliding_attention"` (all layers when
     `layer_types` is `None`). `scan_layers` runs the decoder with `lax.scan` (`False`
     unrolls it; the numbers agree to float rounding). `quantize_kv_cache` makes
@@ -73,6 +77,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
@@ -144,7 +149,7 @@ class LlamaConfig:
         theta, rope_type, rope_params = read_rope(hf)
         sliding_window = hf.get("sliding_window")
         layer_types = hf.get("layer_types")
-        if model_type == "qwen2":
+        if model_type in _QWEN_WINDOWS:
             if not hf.get("use_sliding_window", False):
                 sliding_window, layer_types = None, None
             elif layer_types is None:
@@ -174,6 +179,7 @@ class LlamaConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", False),
             qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
             mlp_bias=hf.get("mlp_bias", False),
             sliding_window=sliding_window,
             layer_types=None if layer_types is None else tuple(layer_types),
@@ -209,13 +215,13 @@ class LlamaConfig:
             pad_token_id=self.pad_token_id,
             **write_rope(self.rope_theta, self.rope_type, self._rope_parameters_json()),
         )
-        if self.model_type == "qwen2":
+        if self.model_type in _QWEN_WINDOWS:
             hf.update(
                 use_sliding_window=self.sliding_window is not None,
                 sliding_window=self.sliding_window,
                 layer_types=list(self.layer_types or ("full_attention",) * self.num_hidden_layers),
             )
-        else:
+        if self.model_type != "qwen2":
             hf.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
             if self.model_type == "mistral":
                 hf["sliding_window"] = self.sliding_window
@@ -251,6 +257,7 @@ class LlamaDecoderLayer(eqx.Module):
             c.head_dim,
             qkv_bias=c.attention_bias or c.qkv_bias,
             o_bias=c.attention_bias,
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
             mechanism=c.attn_mechanism,
             block_q=c.block_q,
             block_k=c.block_k,

@@ -6,6 +6,7 @@ MODEL_TYPES = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 """Every supported Hugging Face `model_type` and the class that implements it."""
 

@@ -9,6 +9,7 @@ from .. import axes as ax
 from .._cache import KVLayer
 from ..attention import ATTENTION_MECHANISMS, AttentionMask, attention
 from ._linear import Linear
+from ._norm import RMSNorm
 from ._rotary import apply_rotary
 
 
@@ -20,6 +21,8 @@ class Attention(eqx.Module):
     k_proj: Linear
     v_proj: Linear
     o_proj: Linear
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
@@ -40,6 +43,7 @@ class Attention(eqx.Module):
         o_bias: bool = False,
         scale: float | None = None,
         soft_cap: float | None = None,
+        qk_norm_eps: float | None = None,
         mechanism: str = "auto",
         block_q: int = 128,
         block_k: int = 128,
@@ -55,6 +59,8 @@ class Attention(eqx.Module):
         - `qkv_bias`, `o_bias`: biases on the input and output projections.
         - `scale`: score scale; `head_dim ** -0.5` by default.
         - `soft_cap`: optional logit soft-capping of the scores.
+        - `qk_norm_eps`: if given, queries and keys pass through an RMSNorm over each
+            head (with this epsilon) before the rotation, as in Qwen3.
         - `mechanism`, `block_q`, `block_k`: the attention kernel (one of
             [`eqdel.attention.ATTENTION_MECHANISMS`][]) and the chunked kernel's blocks.
         - `dtype`, `initializer_range`: parameter dtype and initialisation scale.
@@ -86,6 +92,11 @@ class Attention(eqx.Module):
         self.k_proj = projection(hidden_size, kv_heads, (ax.EMBED, ax.KV_HEAD), qkv_bias, kk)
         self.v_proj = projection(hidden_size, kv_heads, (ax.EMBED, ax.KV_HEAD), qkv_bias, kv)
         self.o_proj = projection(heads, hidden_size, (ax.HEAD, ax.EMBED), o_bias, ko)
+        if qk_norm_eps is None:
+            self.q_norm = self.k_norm = None
+        else:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, axes=(ax.HEAD_DIM,), dtype=dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, axes=(ax.KV_HEAD_DIM,), dtype=dtype)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -110,6 +121,8 @@ class Attention(eqx.Module):
         q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def attend(

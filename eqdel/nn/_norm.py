@@ -16,23 +16,35 @@ class RMSNorm(eqx.Module):
     `offset=1.0` gives the `(1 + weight)` form used by Gemma.
     """
 
-    weight: Float[Array, " embed"] = field(axes=(ax.EMBED,))
+    weight: Float[Array, " size"] = field(axes=lambda self: self.axes)
     eps: float = eqx.field(static=True)
     offset: float = eqx.field(static=True)
+    axes: tuple = eqx.field(static=True)
 
-    def __init__(self, size: int, eps: float = 1e-6, *, offset: float = 0.0, dtype=jnp.float32):
+    def __init__(
+        self,
+        size: int,
+        eps: float = 1e-6,
+        *,
+        offset: float = 0.0,
+        axes: tuple = (ax.EMBED,),
+        dtype=jnp.float32,
+    ):
         """**Arguments:**
 
         - `size`: the normalised dimension.
         - `eps`: added to the mean square.
         - `offset`: added to `weight` before scaling (ones are the initial scale).
+        - `axes`: the semantic axis of `weight` (`(axes.EMBED,)`; a per-head norm's is
+            `(axes.HEAD_DIM,)`).
         - `dtype`: parameter dtype.
         """
         self.weight = jnp.full((size,), 1.0 - offset, dtype)
         self.eps = eps
         self.offset = offset
+        self.axes = axes
 
-    def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
+    def __call__(self, x: Float[Array, "*batch size"]) -> Float[Array, "*batch size"]:
         """**Arguments:**
 
         - `x`: inputs.
