@@ -20,6 +20,8 @@ CONFIGS = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "gemma": transformers.GemmaConfig,
+    "gemma2": transformers.Gemma2Config,
 }
 
 

@@ -48,6 +48,8 @@ def hf_generate(hf_model, ids, mask, new, eos=None):
         ("qwen2", {}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
         ("qwen3", {"head_dim": 16}),
+        ("gemma", {"head_dim": 16}),
+        ("gemma2", {"head_dim": 16, "sliding_window": 4, "final_logit_softcapping": 3.0}),
     ],
 )
 def test_greedy_matches_transformers_on_left_padded_batch(model_type, overrides, tmp_path):

@@ -58,6 +58,11 @@ CASES = {
         dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
     ),
     "qwen3": ("qwen3", dict(head_dim=16)),
+    "gemma": ("gemma", dict(head_dim=16)),
+    "gemma2": (
+        "gemma2",
+        dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=12, final_logit_softcapping=3.0),
+    ),
     "qwen3-bias-window": (
         "qwen3",
         dict(attention_bias=True, use_sliding_window=True, sliding_window=3, max_window_layers=1),
@@ -80,9 +85,11 @@ def test_logits_match_transformers(case, tmp_path):
     np.testing.assert_allclose(got, hf_logits(hf_model, ids), rtol=0, atol=TOL)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"])
 def test_padded_batch_matches_transformers(model_type, tmp_path):
-    hf_model = make_hf_model(model_type, sliding_window=4 if model_type == "mistral" else None)
+    hf_model = make_hf_model(
+        model_type, sliding_window=4 if model_type in ("mistral", "gemma2") else None
+    )
     model = load(tmp_path, hf_model)
     ids = random_ids(3, 10, seed=1)
     mask = np.ones_like(ids)
@@ -127,7 +134,16 @@ def test_hidden_states_and_inputs_embeds_match_transformers(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["llama-gqa-tied", "mistral-window", "qwen2", "qwen3-bias-window", "llama-rope-yarn"]
+    "case",
+    [
+        "llama-gqa-tied",
+        "mistral-window",
+        "qwen2",
+        "qwen3-bias-window",
+        "gemma",
+        "gemma2",
+        "llama-rope-yarn",
+    ],
 )
 def test_save_then_transformers_loads_identical(case, tmp_path):
     model_type, overrides = CASES[case]
@@ -164,7 +180,7 @@ def test_eqdel_round_trip_is_exact(tmp_path, getkey):
     assert again.config == config
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
 def test_sharded_model_matches_single_device(model_type, tmp_path):
     hf_model = make_hf_model(model_type, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     single = load(tmp_path, hf_model)

@@ -1,5 +1,6 @@
 """Model families, each registered under its Hugging Face `model_type`."""
 
+from ._gemma import Gemma2DecoderLayer as Gemma2DecoderLayer, GemmaConfig as GemmaConfig
 from ._llama import (
     LlamaConfig as LlamaConfig,
     LlamaDecoderLayer as LlamaDecoderLayer,

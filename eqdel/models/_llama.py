@@ -7,6 +7,7 @@ which flags the Hugging Face config implies.
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -94,6 +95,9 @@ class LlamaConfig:
     use_scan_mlp: bool = False
     scan_mlp_chunk_size: int = 1024
 
+    ARCHITECTURES: ClassVar[dict[str, str]] = _ARCHITECTURES
+    """The Hugging Face class name of every `model_type` this config covers."""
+
     def __post_init__(self):
         if self.attn_mechanism not in ATTENTION_MECHANISMS:
             raise ValueError(
@@ -107,10 +111,10 @@ class LlamaConfig:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.model_type not in _ARCHITECTURES:
+        if self.model_type not in self.ARCHITECTURES:
             raise ValueError(
-                f"LlamaConfig covers model types {sorted(_ARCHITECTURES)}, not "
-                f"{self.model_type!r}."
+                f"{type(self).__name__} covers model types {sorted(self.ARCHITECTURES)}, "
+                f"not {self.model_type!r}."
             )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -131,6 +135,31 @@ class LlamaConfig:
             return (0,) * self.num_hidden_layers
         types = self.layer_types or ("sliding_attention",) * self.num_hidden_layers
         return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
+
+    # Where other families differ from Llama; their configs override these.
+
+    norm_offset: ClassVar[float] = 0.0
+    """Added to every RMSNorm weight (`1.0`: Gemma's `(1 + weight)`)."""
+
+    def embedding_scale(self) -> float | None:
+        """The factor the input embeddings are multiplied by (`None`: none)."""
+        return None
+
+    def attention_scale(self) -> float | None:
+        """The attention score scale (`None`: `head_dim ** -0.5`)."""
+        return None
+
+    def attention_soft_cap(self) -> float | None:
+        """The soft cap of the attention scores (`None`: none)."""
+        return None
+
+    def logit_soft_cap(self) -> float | None:
+        """The soft cap of the output logits (`None`: none)."""
+        return None
+
+    def decoder_layer(self, *, dtype, key: PRNGKeyArray) -> eqx.Module:
+        """One decoder layer of this family."""
+        return LlamaDecoderLayer(self, dtype=dtype, key=key)
 
     @classmethod
     def from_hf_config(cls, hf: Mapping, **overrides) -> "LlamaConfig":
@@ -194,7 +223,7 @@ class LlamaConfig:
     def to_hf_config(self) -> dict:
         """The Hugging Face `config.json` dict for this config."""
         hf = dict(
-            architectures=[_ARCHITECTURES[self.model_type]],
+            architectures=[self.ARCHITECTURES[self.model_type]],
             model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -249,7 +278,9 @@ class LlamaDecoderLayer(eqx.Module):
         """
         k_attn, k_mlp = jax.random.split(key)
         c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(
+            c.hidden_size, c.rms_norm_eps, offset=c.norm_offset, dtype=dtype
+        )
         self.self_attn = Attention(
             c.hidden_size,
             c.num_attention_heads,
@@ -257,6 +288,8 @@ class LlamaDecoderLayer(eqx.Module):
             c.head_dim,
             qkv_bias=c.attention_bias or c.qkv_bias,
             o_bias=c.attention_bias,
+            scale=c.attention_scale(),
+            soft_cap=c.attention_soft_cap(),
             qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
             mechanism=c.attn_mechanism,
             block_q=c.block_q,
@@ -265,7 +298,9 @@ class LlamaDecoderLayer(eqx.Module):
             initializer_range=c.initializer_range,
             key=k_attn,
         )
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(
+            c.hidden_size, c.rms_norm_eps, offset=c.norm_offset, dtype=dtype
+        )
         self.mlp = GatedMLP(
             c.hidden_size,
             c.intermediate_size,
@@ -318,7 +353,7 @@ class LlamaModel(eqx.Module):
     """Embeddings, the stacked decoder layers and the final norm."""
 
     embed_tokens: Embedding
-    layers: LlamaDecoderLayer
+    layers: eqx.Module
     norm: RMSNorm
     rotary_emb: RotaryEmbedding
     config: LlamaConfig = eqx.field(static=True)
@@ -339,11 +374,11 @@ class LlamaModel(eqx.Module):
             key=k_embed,
         )
         self.layers = stack_layers(
-            lambda k: LlamaDecoderLayer(config, dtype=dtype, key=k),
-            k_layers,
-            config.num_hidden_layers,
+            lambda k: config.decoder_layer(dtype=dtype, key=k), k_layers, config.num_hidden_layers
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, offset=config.norm_offset, dtype=dtype
+        )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.rope_theta,
@@ -379,6 +414,8 @@ class LlamaModel(eqx.Module):
         states (or `None`) and the updated cache (or `None`).
         """
         batch, seq, _ = h.shape
+        if (scale := self.config.embedding_scale()) is not None:
+            h = h * jnp.asarray(scale, h.dtype)
         cos, sin = self.rotary_emb(position_ids)
         offsets = jnp.broadcast_to(jnp.arange(seq)[None, :], (batch, seq))
         if cache is None:
@@ -505,7 +542,10 @@ class LlamaForCausalLM(eqx.Module):
     def head(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:
         """Logits from final (normed) hidden states: the LM head, or the transposed
         embeddings when they are tied."""
-        return self.model.embed_tokens.unembed(h) if self.lm_head is None else self.lm_head(h)
+        logits = self.model.embed_tokens.unembed(h) if self.lm_head is None else self.lm_head(h)
+        if (cap := self.config.logit_soft_cap()) is not None:
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
 
     # -- the seed's model methods; setters return a new model -------------------------------
 

@@ -1,16 +1,19 @@
-"""Hugging Face `model_type` → eqdel model class."""
+"""Hugging Face `model_type` → eqdel model class and config class."""
 
+from ._gemma import GemmaConfig
 from ._llama import LlamaConfig, LlamaForCausalLM
 
-MODEL_TYPES = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
+_FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig),
+    "mistral": (LlamaForCausalLM, LlamaConfig),
+    "qwen2": (LlamaForCausalLM, LlamaConfig),
+    "qwen3": (LlamaForCausalLM, LlamaConfig),
+    "gemma": (LlamaForCausalLM, GemmaConfig),
+    "gemma2": (LlamaForCausalLM, GemmaConfig),
 }
-"""Every supported Hugging Face `model_type` and the class that implements it."""
 
-_CONFIGS = {LlamaForCausalLM: LlamaConfig}
+MODEL_TYPES = {model_type: model for model_type, (model, _) in _FAMILIES.items()}
+"""Every supported Hugging Face `model_type` and the class that implements it."""
 
 
 def config_class(model_type: str):
@@ -20,8 +23,8 @@ def config_class(model_type: str):
 
     `ValueError` listing the known model types.
     """
-    if model_type not in MODEL_TYPES:
+    if model_type not in _FAMILIES:
         raise ValueError(
             f"Unknown model_type {model_type!r}; eqdel supports {sorted(MODEL_TYPES)}."
         )
-    return _CONFIGS[MODEL_TYPES[model_type]]
+    return _FAMILIES[model_type][1]
