@@ -22,6 +22,7 @@ CONFIGS = {
     "qwen3": transformers.Qwen3Config,
     "gemma": transformers.GemmaConfig,
     "gemma2": transformers.Gemma2Config,
+    "phi3": transformers.Phi3Config,
 }
 
 

@@ -48,6 +48,7 @@ def hf_generate(hf_model, ids, mask, new, eos=None):
         ("qwen2", {}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1}),
         ("qwen3", {"head_dim": 16}),
+        ("phi3", {"pad_token_id": 0, "sliding_window": 5}),
         ("gemma", {"head_dim": 16}),
         ("gemma2", {"head_dim": 16, "sliding_window": 4, "final_logit_softcapping": 3.0}),
     ],

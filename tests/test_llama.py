@@ -58,6 +58,16 @@ CASES = {
         dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
     ),
     "qwen3": ("qwen3", dict(head_dim=16)),
+    "phi3": ("phi3", dict(pad_token_id=0, sliding_window=5)),
+    "phi3-longrope": (
+        "phi3",
+        dict(
+            pad_token_id=0,
+            rope_parameters=ROPE_CASES["longrope"],
+            original_max_position_embeddings=8,
+            max_position_embeddings=32,
+        ),
+    ),
     "gemma": ("gemma", dict(head_dim=16)),
     "gemma2": (
         "gemma2",
@@ -85,11 +95,13 @@ def test_logits_match_transformers(case, tmp_path):
     np.testing.assert_allclose(got, hf_logits(hf_model, ids), rtol=0, atol=TOL)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2"]
+)
 def test_padded_batch_matches_transformers(model_type, tmp_path):
-    hf_model = make_hf_model(
-        model_type, sliding_window=4 if model_type in ("mistral", "gemma2") else None
-    )
+    window = 4 if model_type in ("mistral", "gemma2", "phi3") else None
+    extra = dict(pad_token_id=0) if model_type == "phi3" else {}
+    hf_model = make_hf_model(model_type, sliding_window=window, **extra)
     model = load(tmp_path, hf_model)
     ids = random_ids(3, 10, seed=1)
     mask = np.ones_like(ids)
@@ -142,6 +154,7 @@ def test_hidden_states_and_inputs_embeds_match_transformers(tmp_path):
         "qwen3-bias-window",
         "gemma",
         "gemma2",
+        "phi3-longrope",
         "llama-rope-yarn",
     ],
 )
@@ -180,9 +193,10 @@ def test_eqdel_round_trip_is_exact(tmp_path, getkey):
     assert again.config == config
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma2"])
 def test_sharded_model_matches_single_device(model_type, tmp_path):
-    hf_model = make_hf_model(model_type, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    sizes = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
+    hf_model = make_hf_model(model_type, **sizes)
     single = load(tmp_path, hf_model)
     cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
     sharded = eqdel.from_pretrained(tmp_path / "hf", sharding=cfg, progress=False)
@@ -191,9 +205,10 @@ def test_sharded_model_matches_single_device(model_type, tmp_path):
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     for leaf, spec in zip(jax.tree.leaves(sharded), jax.tree.leaves(specs, is_leaf=is_spec)):
         assert leaf.sharding == NamedSharding(mesh, spec)
-    q = sharded.model.layers.self_attn.q_proj.weight
+    attn = sharded.model.layers.self_attn
+    q = (attn.q_proj or attn.qkv_proj).weight  # Phi-3 fuses q, k and v
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "sp"), "tp")
-    assert q.addressable_shards[0].data.shape == (2, 8, 16)  # [layers, 32/4, 32/2]
+    assert q.addressable_shards[0].data.shape == (2, 8, q.shape[2] // 2)  # [layers, 32/4, /2]
     ids = jnp.asarray(random_ids(4, 8))
     forward = jax.jit(lambda m, i: m(i).logits)
     np.testing.assert_allclose(

@@ -1,5 +1,5 @@
-"""The Llama family: Llama, Mistral (sliding window), Qwen2 (q/k/v biases) and Qwen3
-(per-head q/k norms).
+"""The Llama family: Llama, Mistral (sliding window), Qwen2 (q/k/v biases), Qwen3
+(per-head q/k norms) and Phi-3 (fused q/k/v and gate/up projections).
 
 One config and one model cover the three; `model_type` decides what config.json says and
 which flags the Hugging Face config implies.
@@ -37,7 +37,9 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
+_MISTRAL_WINDOWS = ("mistral", "phi3")  # one sliding_window for every layer
 _QWEN_WINDOWS = ("qwen2", "qwen3")  # windows set by use_sliding_window / max_window_layers
 
 
@@ -48,7 +50,8 @@ class LlamaConfig:
     `num_key_value_heads` and `head_dim` default to (and are set to) `num_attention_heads`
     and `hidden_size // num_attention_heads`. `qkv_bias` (Qwen2) puts biases on the query, key
     and value projections only; `attention_bias` (Llama, Qwen3) on all four. `qk_norm`
-    (Qwen3) normalises queries and keys per head before the rotation. `sliding_window`
+    (Qwen3) normalises queries and keys per head before the rotation. `fused_projections`
+    (Phi-3) stores the q/k/v and the gate/up projections as one linear layer each. `sliding_window`
     applies to the layers `layer_types` marks `"sliding_attention"` (all layers when
     `layer_types` is `None`). `scan_layers` runs the decoder with `lax.scan` (`False`
     unrolls it; the numbers agree to float rounding). `quantize_kv_cache` makes
@@ -79,6 +82,7 @@ class LlamaConfig:
     attention_bias: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused_projections: bool = False
     mlp_bias: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
@@ -209,6 +213,7 @@ class LlamaConfig:
             attention_bias=hf.get("attention_bias", False),
             qkv_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
+            fused_projections=model_type == "phi3",
             mlp_bias=hf.get("mlp_bias", False),
             sliding_window=sliding_window,
             layer_types=None if layer_types is None else tuple(layer_types),
@@ -252,8 +257,11 @@ class LlamaConfig:
             )
         if self.model_type != "qwen2":
             hf.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
-            if self.model_type == "mistral":
+            if self.model_type in _MISTRAL_WINDOWS:
                 hf["sliding_window"] = self.sliding_window
+            original = dict(self.rope_parameters).get("original_max_position_embeddings")
+            if self.model_type == "phi3" and original is not None:
+                hf["original_max_position_embeddings"] = original  # Phi-3 reads it here
         return hf
 
     def _rope_parameters_json(self) -> dict:
@@ -291,6 +299,7 @@ class LlamaDecoderLayer(eqx.Module):
             scale=c.attention_scale(),
             soft_cap=c.attention_soft_cap(),
             qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+            fused_qkv=c.fused_projections,
             mechanism=c.attn_mechanism,
             block_q=c.block_q,
             block_k=c.block_k,
@@ -306,6 +315,7 @@ class LlamaDecoderLayer(eqx.Module):
             c.intermediate_size,
             c.hidden_act,
             use_bias=c.mlp_bias,
+            fused=c.fused_projections,
             dtype=dtype,
             initializer_range=c.initializer_range,
             key=k_mlp,

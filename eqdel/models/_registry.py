@@ -8,6 +8,7 @@ _FAMILIES = {
     "mistral": (LlamaForCausalLM, LlamaConfig),
     "qwen2": (LlamaForCausalLM, LlamaConfig),
     "qwen3": (LlamaForCausalLM, LlamaConfig),
+    "phi3": (LlamaForCausalLM, LlamaConfig),
     "gemma": (LlamaForCausalLM, GemmaConfig),
     "gemma2": (LlamaForCausalLM, GemmaConfig),
 }

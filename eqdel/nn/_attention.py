@@ -17,9 +17,10 @@ class Attention(eqx.Module):
     """Multi-head self-attention where `num_kv_heads` key/value heads are shared by groups
     of query heads (GQA; `num_kv_heads == num_heads` is plain multi-head attention)."""
 
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
+    q_proj: Linear | None
+    k_proj: Linear | None
+    v_proj: Linear | None
+    qkv_proj: Linear | None
     o_proj: Linear
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
@@ -44,6 +45,7 @@ class Attention(eqx.Module):
         scale: float | None = None,
         soft_cap: float | None = None,
         qk_norm_eps: float | None = None,
+        fused_qkv: bool = False,
         mechanism: str = "auto",
         block_q: int = 128,
         block_k: int = 128,
@@ -61,6 +63,8 @@ class Attention(eqx.Module):
         - `soft_cap`: optional logit soft-capping of the scores.
         - `qk_norm_eps`: if given, queries and keys pass through an RMSNorm over each
             head (with this epsilon) before the rotation, as in Qwen3.
+        - `fused_qkv`: one `qkv_proj` whose output holds the queries, keys and values
+            one after another (as Phi-3 stores them) instead of three projections.
         - `mechanism`, `block_q`, `block_k`: the attention kernel (one of
             [`eqdel.attention.ATTENTION_MECHANISMS`][]) and the chunked kernel's blocks.
         - `dtype`, `initializer_range`: parameter dtype and initialisation scale.
@@ -88,9 +92,15 @@ class Attention(eqx.Module):
             )
 
         heads, kv_heads = num_heads * head_dim, num_kv_heads * head_dim
-        self.q_proj = projection(hidden_size, heads, (ax.EMBED, ax.HEAD), qkv_bias, kq)
-        self.k_proj = projection(hidden_size, kv_heads, (ax.EMBED, ax.KV_HEAD), qkv_bias, kk)
-        self.v_proj = projection(hidden_size, kv_heads, (ax.EMBED, ax.KV_HEAD), qkv_bias, kv)
+        if fused_qkv:
+            self.q_proj = self.k_proj = self.v_proj = None
+            out = heads + 2 * kv_heads
+            self.qkv_proj = projection(hidden_size, out, (ax.EMBED, ax.HEAD), qkv_bias, kq)
+        else:
+            self.qkv_proj = None
+            self.q_proj = projection(hidden_size, heads, (ax.EMBED, ax.HEAD), qkv_bias, kq)
+            self.k_proj = projection(hidden_size, kv_heads, (ax.EMBED, ax.KV_HEAD), qkv_bias, kk)
+            self.v_proj = projection(hidden_size, kv_heads, (ax.EMBED, ax.KV_HEAD), qkv_bias, kv)
         self.o_proj = projection(heads, hidden_size, (ax.HEAD, ax.EMBED), o_bias, ko)
         if qk_norm_eps is None:
             self.q_norm = self.k_norm = None
@@ -118,9 +128,14 @@ class Attention(eqx.Module):
     ]:
         """Queries, keys and values with the rotation applied to queries and keys."""
         batch, seq, _ = x.shape
-        q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            heads, kv_heads = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = jnp.split(self.qkv_proj(x), [heads, heads + kv_heads], axis=-1)
+        q = q.reshape(batch, seq, self.num_heads, self.head_dim)
+        k = k.reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

@@ -13,8 +13,9 @@ from ._linear import Linear
 class GatedMLP(eqx.Module):
     """`down(act(gate(x)) * up(x))`."""
 
-    gate_proj: Linear
-    up_proj: Linear
+    gate_proj: Linear | None
+    up_proj: Linear | None
+    gate_up_proj: Linear | None
     down_proj: Linear
     hidden_act: str = eqx.field(static=True)
 
@@ -25,6 +26,7 @@ class GatedMLP(eqx.Module):
         hidden_act: str = "silu",
         *,
         use_bias: bool = False,
+        fused: bool = False,
         dtype=jnp.float32,
         initializer_range: float = 0.02,
         key: PRNGKeyArray,
@@ -35,6 +37,8 @@ class GatedMLP(eqx.Module):
         - `hidden_act`: a Hugging Face activation name (`silu`, `gelu`,
             `gelu_pytorch_tanh`, ...).
         - `use_bias`: biases on all three projections.
+        - `fused`: one `gate_up_proj` whose output is the gate then the up projection
+            (as Phi-3 stores them) instead of two.
         - `dtype`, `initializer_range`: parameter dtype and initialisation scale.
         - `key`: a `jax.random` key.
         """
@@ -42,8 +46,17 @@ class GatedMLP(eqx.Module):
         k_gate, k_up, k_down = jax.random.split(key, 3)
         common = dict(use_bias=use_bias, dtype=dtype, initializer_range=initializer_range)
         into = (ax.EMBED, ax.MLP_INTERMEDIATE)
-        self.gate_proj = Linear(hidden_size, intermediate_size, axes=into, key=k_gate, **common)
-        self.up_proj = Linear(hidden_size, intermediate_size, axes=into, key=k_up, **common)
+        if fused:
+            self.gate_proj = self.up_proj = None
+            self.gate_up_proj = Linear(
+                hidden_size, 2 * intermediate_size, axes=into, key=k_gate, **common
+            )
+        else:
+            self.gate_up_proj = None
+            self.gate_proj = Linear(
+                hidden_size, intermediate_size, axes=into, key=k_gate, **common
+            )
+            self.up_proj = Linear(hidden_size, intermediate_size, axes=into, key=k_up, **common)
         self.down_proj = Linear(
             intermediate_size, hidden_size, axes=into[::-1], key=k_down, **common
         )
@@ -59,4 +72,8 @@ class GatedMLP(eqx.Module):
         The block's output, same shape.
         """
         act = activation(self.hidden_act)
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(act(gate) * up)
