@@ -23,6 +23,7 @@ CONFIGS = {
     "gemma": transformers.GemmaConfig,
     "gemma2": transformers.Gemma2Config,
     "phi3": transformers.Phi3Config,
+    "mixtral": transformers.MixtralConfig,
 }
 
 

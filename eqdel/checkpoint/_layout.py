@@ -1,12 +1,14 @@
 """Where each parameter of a model lives in a Hugging Face checkpoint.
 
 Model modules mirror Hugging Face's attribute names, so a parameter's attribute path is its
-tensor name. Two rules make the mapping: decoder layers stacked under a field called
-`layers` expand to `layers.0`, `layers.1`, ...; and `Linear` weights, stored `[in, out]`
-here, are transposed from PyTorch's `[out, in]`.
+tensor name. Two rules make the mapping: modules stacked under a field called `layers` or
+`experts` expand to `layers.0`, `layers.1`, ... (a parameter under both stacks both
+ways); and the weights of `Linear` and `ExpertLinear`, stored `[in, out]` here, are
+transposed from PyTorch's `[out, in]`.
 """
 
 import dataclasses
+import itertools
 from typing import NamedTuple
 
 import equinox as eqx
@@ -14,7 +16,9 @@ import equinox as eqx
 from .._lora import LoRALinear
 from .._paths import get_path as get_path
 from .._placement import is_array_like
-from ..nn import Linear
+from ..nn import ExpertLinear, Linear
+
+_STACKS = ("layers", "experts")
 
 
 class HFTensor(NamedTuple):
@@ -23,18 +27,21 @@ class HFTensor(NamedTuple):
     **Fields:**
 
     - `where`: attribute path from the model to the parameter.
-    - `name`: the tensor name; for stacked parameters it has a `{}` for the layer index.
-    - `stacked`: whether the parameter stacks one tensor per layer on its first dimension.
-    - `transpose`: whether the tensor is the transpose of the parameter (of each layer).
+    - `name`: the tensor name, with a `{}` for each stacked index.
+    - `stacked`: how many leading dimensions of the parameter stack one tensor each
+        (`0`; `1` for a layer; `2` for an expert in a layer).
+    - `transpose`: whether the tensor is the transpose of the parameter (of each block).
     """
 
     where: tuple[str, ...]
     name: str
-    stacked: bool
+    stacked: int
     transpose: bool
 
-    def names(self, layers: int) -> list[str]:
-        return [self.name.format(i) for i in range(layers)] if self.stacked else [self.name]
+    def names(self, counts: tuple[int, ...]) -> list[str]:
+        """The tensor names for stacks of `counts` (the leading `stacked` sizes), in
+        row-major order."""
+        return [self.name.format(*index) for index in itertools.product(*map(range, counts))]
 
 
 def hf_layout(model: eqx.Module) -> list[HFTensor]:
@@ -51,7 +58,7 @@ def hf_layout(model: eqx.Module) -> list[HFTensor]:
     """
     out: list[HFTensor] = []
 
-    def visit(module, where: tuple[str, ...], names: tuple[str, ...], stacked: bool):
+    def visit(module, where: tuple[str, ...], names: tuple[str, ...], stacked: int):
         if isinstance(module, LoRALinear):
             raise ValueError(
                 f"{'.'.join(where)} carries LoRA adapters; merge_lora the model before "
@@ -64,11 +71,11 @@ def hf_layout(model: eqx.Module) -> list[HFTensor]:
             if value is None:
                 continue
             if isinstance(value, eqx.Module):
-                is_layers = f.name == "layers"
-                name = "layers.{}" if is_layers else f.name
-                visit(value, (*where, f.name), (*names, name), stacked or is_layers)
+                stacks = f.name in _STACKS
+                name = f"{f.name}.{{}}" if stacks else f.name
+                visit(value, (*where, f.name), (*names, name), stacked + stacks)
             elif is_array_like(value):
-                transpose = isinstance(module, Linear) and f.name == "weight"
+                transpose = isinstance(module, (Linear, ExpertLinear)) and f.name == "weight"
                 out.append(
                     HFTensor((*where, f.name), ".".join((*names, f.name)), stacked, transpose)
                 )
@@ -78,5 +85,5 @@ def hf_layout(model: eqx.Module) -> list[HFTensor]:
                     f"arrays, not {type(value).__name__}."
                 )
 
-    visit(model, (), (), False)
+    visit(model, (), (), 0)
     return out

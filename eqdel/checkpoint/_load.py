@@ -84,8 +84,12 @@ class _Reader:
             ) from None
 
 
-def _check_names(layout: list[HFTensor], reader: _Reader, layers: int, tied: bool) -> None:
-    expected = {name for t in layout for name in t.names(layers)}
+def _check_names(layout: list[HFTensor], skeleton_leaves, reader: _Reader, tied: bool) -> None:
+    expected = {
+        name
+        for t, leaf in zip(layout, skeleton_leaves)
+        for name in t.names(leaf.shape[: t.stacked])
+    }
     present = set(reader.files)
     missing = sorted(expected - present)
     unexpected = sorted(
@@ -102,11 +106,11 @@ def _check_names(layout: list[HFTensor], reader: _Reader, layers: int, tied: boo
         raise CheckpointError("Checkpoint does not fit the model; " + "; ".join(problems) + ".")
 
 
-def _check_shapes(layout, skeleton_leaves, reader: _Reader, layers: int) -> None:
+def _check_shapes(layout, skeleton_leaves, reader: _Reader) -> None:
     for tensor, leaf in zip(layout, skeleton_leaves):
-        shape = leaf.shape[1:] if tensor.stacked else leaf.shape
+        shape = leaf.shape[tensor.stacked :]
         want = shape[::-1] if tensor.transpose else shape
-        for name in tensor.names(layers):
+        for name in tensor.names(leaf.shape[: tensor.stacked]):
             got = reader.shape(name)
             if got != tuple(want):
                 raise CheckpointError(
@@ -128,20 +132,20 @@ def _cast(array: np.ndarray, dtype, name: str) -> np.ndarray:
     return out
 
 
-def _loader(tensor: HFTensor, reader: _Reader, dtype, layers: int):
-    """The `make_array_from_callback` callback for one parameter."""
+def _loader(tensor: HFTensor, reader: _Reader, dtype, shape: tuple[int, ...]):
+    """The `make_array_from_callback` callback for one parameter of `shape`."""
 
     def one(name: str, index: tuple) -> np.ndarray:
         hf_index = index[::-1] if tensor.transpose else index
         block = reader.read(name, hf_index)
         return _cast(block.T if tensor.transpose else block, dtype, name)
 
-    def load(index: tuple) -> np.ndarray:
-        if not tensor.stacked:
-            return one(tensor.name, index)
-        layer_index, rest = index[0], index[1:]
-        chosen = range(*layer_index.indices(layers))
-        return np.stack([one(tensor.name.format(i), rest) for i in chosen])
+    def load(index: tuple, picked: tuple = ()) -> np.ndarray:
+        depth = len(picked)
+        if depth == tensor.stacked:
+            return one(tensor.name.format(*picked), index[depth:])
+        chosen = range(*index[depth].indices(shape[depth]))
+        return np.stack([load(index, (*picked, i)) for i in chosen])
 
     return load
 
@@ -199,10 +203,9 @@ def from_pretrained(
     )
     layout = hf_layout(skeleton)
     reader = _Reader(_weight_files(path))
-    layers = config.num_hidden_layers
     skeleton_leaves = jax.tree.leaves(skeleton)
-    _check_names(layout, reader, layers, config.tie_word_embeddings)
-    _check_shapes(layout, skeleton_leaves, reader, layers)
+    _check_names(layout, skeleton_leaves, reader, config.tie_word_embeddings)
+    _check_shapes(layout, skeleton_leaves, reader)
 
     if sharding is None:
         shardings = [SingleDeviceSharding(jax.devices()[0])] * len(layout)
@@ -218,7 +221,7 @@ def from_pretrained(
     ):
         arrays.append(
             jax.make_array_from_callback(
-                leaf.shape, placed, _loader(tensor, reader, dtype, layers)
+                leaf.shape, placed, _loader(tensor, reader, dtype, leaf.shape)
             )
         )
     treedef = jax.tree.structure(skeleton)

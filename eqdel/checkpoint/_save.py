@@ -41,8 +41,9 @@ def _tensors(model) -> Iterator[tuple[str, np.ndarray]]:
     """Checkpoint tensors, gathered one parameter at a time."""
     for tensor in hf_layout(model):
         host = _to_host(get_path(model, tensor.where))
-        blocks = list(host) if tensor.stacked else [host]
-        for name, block in zip(tensor.names(len(blocks)), blocks):
+        counts = host.shape[: tensor.stacked]
+        blocks = host.reshape(-1, *host.shape[tensor.stacked :])
+        for name, block in zip(tensor.names(counts), blocks, strict=True):
             yield name, np.ascontiguousarray(block.T if tensor.transpose else block)
 
 

@@ -7,5 +7,10 @@ from ._llama import (
     LlamaForCausalLM as LlamaForCausalLM,
     LlamaModel as LlamaModel,
 )
+from ._mixtral import (
+    MixtralConfig as MixtralConfig,
+    MixtralDecoderLayer as MixtralDecoderLayer,
+    load_balancing_loss as load_balancing_loss,
+)
 from ._outputs import CausalLMOutput as CausalLMOutput
 from ._registry import MODEL_TYPES as MODEL_TYPES, config_class as config_class

@@ -149,9 +149,9 @@ class Gemma2DecoderLayer(eqx.Module):
         mask: AttentionMask,
         kv: KVLayer | None = None,
         write_index: Int[Array, ""] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], KVLayer | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KVLayer | None, None]:
         """As [`eqdel.models.LlamaDecoderLayer`][]."""
         attended, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, write_index)
         h = h + self.post_attention_layernorm(attended)
         mlp = self.mlp(self.pre_feedforward_layernorm(h))
-        return h + self.post_feedforward_layernorm(mlp), kv
+        return h + self.post_feedforward_layernorm(mlp), kv, None

@@ -330,7 +330,7 @@ class LlamaDecoderLayer(eqx.Module):
         mask: AttentionMask,
         kv: KVLayer | None = None,
         write_index: Int[Array, ""] | None = None,
-    ) -> tuple[Float[Array, "batch seq embed"], KVLayer | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KVLayer | None, None]:
         """**Arguments:**
 
         - `h`: hidden states.
@@ -341,11 +341,12 @@ class LlamaDecoderLayer(eqx.Module):
 
         **Returns:**
 
-        `(output, kv)`.
+        `(output, kv, None)`: the layer's output, its cache and (as a dense layer) no
+        router logits.
         """
         attended, kv = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv, write_index)
         h = h + attended
-        return h + self._mlp(self.post_attention_layernorm(h)), kv
+        return h + self._mlp(self.post_attention_layernorm(h)), kv, None
 
     def _mlp(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
         """The MLP, over `mlp_chunk_size` tokens at a time when that is set."""
@@ -406,7 +407,7 @@ class LlamaModel(eqx.Module):
         cache: KVCache | None = None,
         *,
         output_hidden_states: bool = False,
-    ) -> tuple[Float[Array, "batch seq embed"], tuple | None, KVCache | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], tuple | None, KVCache | None, Array | None]:
         """Run the decoder over embedded tokens.
 
         **Arguments:**
@@ -420,8 +421,10 @@ class LlamaModel(eqx.Module):
 
         **Returns:**
 
-        `(hidden, all_hidden, cache)`: the normed final hidden states, the per-layer
-        states (or `None`) and the updated cache (or `None`).
+        `(hidden, all_hidden, cache, router_logits)`: the normed final hidden states, the
+        per-layer states (or `None`), the updated cache (or `None`) and, for
+        mixture-of-experts layers, their router logits `[layers, batch, seq, experts]`
+        (else `None`).
         """
         batch, seq, _ = h.shape
         if (scale := self.config.embedding_scale()) is not None:
@@ -447,11 +450,11 @@ class LlamaModel(eqx.Module):
         def step(layer, h, inputs):
             window, layer_kv = inputs
             mask = AttentionMask(query_index, key_index, key_valid, window)
-            out, layer_kv = layer(h, cos, sin, mask, layer_kv, write)
-            return out, (out if output_hidden_states else None, layer_kv)
+            out, layer_kv, router_logits = layer(h, cos, sin, mask, layer_kv, write)
+            return out, (out if output_hidden_states else None, layer_kv, router_logits)
 
         inputs = h
-        h, (per_layer, kv) = run_layers(
+        h, (per_layer, kv, router_logits) = run_layers(
             self.layers,
             step,
             h,
@@ -465,7 +468,7 @@ class LlamaModel(eqx.Module):
         states = None
         if output_hidden_states:
             states = (inputs, *(per_layer[i] for i in range(per_layer.shape[0] - 1)), h)
-        return h, states, cache
+        return h, states, cache, router_logits
 
 
 class LlamaForCausalLM(eqx.Module):
@@ -544,10 +547,12 @@ class LlamaForCausalLM(eqx.Module):
             token_valid = jnp.ones((batch, seq), bool)
         else:
             token_valid = attention_mask.astype(bool)
-        h, states, cache = self.model(
+        h, states, cache, router_logits = self.model(
             h, position_ids, token_valid, cache, output_hidden_states=output_hidden_states
         )
-        return CausalLMOutput(logits=self.head(h), hidden_states=states, cache=cache)
+        return CausalLMOutput(
+            logits=self.head(h), hidden_states=states, cache=cache, router_logits=router_logits
+        )
 
     def head(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:
         """Logits from final (normed) hidden states: the LM head, or the transposed

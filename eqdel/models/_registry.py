@@ -2,6 +2,7 @@
 
 from ._gemma import GemmaConfig
 from ._llama import LlamaConfig, LlamaForCausalLM
+from ._mixtral import MixtralConfig
 
 _FAMILIES = {
     "llama": (LlamaForCausalLM, LlamaConfig),
@@ -11,6 +12,7 @@ _FAMILIES = {
     "phi3": (LlamaForCausalLM, LlamaConfig),
     "gemma": (LlamaForCausalLM, GemmaConfig),
     "gemma2": (LlamaForCausalLM, GemmaConfig),
+    "mixtral": (LlamaForCausalLM, MixtralConfig),
 }
 
 MODEL_TYPES = {model_type: model for model_type, (model, _) in _FAMILIES.items()}

@@ -5,6 +5,7 @@ from ._attention import Attention as Attention
 from ._embedding import Embedding as Embedding
 from ._linear import Linear as Linear
 from ._mlp import GatedMLP as GatedMLP
+from ._moe import ExpertLinear as ExpertLinear, Experts as Experts, SparseMoE as SparseMoE
 from ._norm import LayerNorm as LayerNorm, RMSNorm as RMSNorm
 from ._rotary import (
     ROPE_TYPES as ROPE_TYPES,

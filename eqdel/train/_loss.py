@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..models import load_balancing_loss
+
 IGNORE_INDEX = -100
 """Label value excluded from the loss, as in transformers."""
 
@@ -55,8 +57,11 @@ def chunked_cross_entropy(
     return jnp.sum(sums)
 
 
-def causal_lm_loss(model, batch: dict, *, chunk_size: int = 1024) -> tuple[Array, Array]:
-    """Next-token cross-entropy of a causal LM on a batch.
+def causal_lm_loss(
+    model, batch: dict, *, chunk_size: int = 1024, router_aux_loss_coef: float | None = None
+) -> tuple[Array, Array]:
+    """Next-token cross-entropy of a causal LM on a batch; for a mixture-of-experts model,
+    plus the router's load-balancing loss.
 
     **Arguments:**
 
@@ -65,6 +70,9 @@ def causal_lm_loss(model, batch: dict, *, chunk_size: int = 1024) -> tuple[Array
         `labels` (default: `input_ids`; `-100` is ignored) and `loss_mask` (`0` where no
         loss is wanted, e.g. prompt tokens in SFT), all `[batch, seq]`.
     - `chunk_size`: tokens per chunk of the vocabulary projection.
+    - `router_aux_loss_coef`: the weight of [`eqdel.models.load_balancing_loss`][] for
+        models that route tokens to experts (default: the config's
+        `router_aux_loss_coef`; `0` leaves it out). Ignored for dense models.
 
     **Returns:**
 
@@ -80,7 +88,7 @@ def causal_lm_loss(model, batch: dict, *, chunk_size: int = 1024) -> tuple[Array
         weights &= batch["loss_mask"].astype(bool)
     positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
     embeds = model.get_input_embeddings()(ids)
-    hidden, _, _ = model.get_decoder()(embeds, positions, valid)
+    hidden, _, _, router_logits = model.get_decoder()(embeds, positions, valid)
     target_weights = weights[:, 1:].astype(jnp.float32)
     targets = jnp.where(weights[:, 1:], labels[:, 1:], 0)
     embed = hidden.shape[-1]
@@ -91,4 +99,13 @@ def causal_lm_loss(model, batch: dict, *, chunk_size: int = 1024) -> tuple[Array
         target_weights.reshape(-1),
         chunk_size=chunk_size,
     )
-    return loss_sum, jnp.sum(target_weights)
+    count = jnp.sum(target_weights)
+    coef = router_aux_loss_coef
+    if router_logits is not None and coef is None:
+        coef = model.config.router_aux_loss_coef
+    if router_logits is not None and coef:
+        # Weighted by the token count, so that loss_sum / count = cross-entropy + coef * aux
+        # (over micro-batches: the token-weighted mean of each micro-batch's aux loss).
+        aux = load_balancing_loss(router_logits, model.config.num_experts_per_tok, valid)
+        loss_sum = loss_sum + coef * aux * count
+    return loss_sum, count
