@@ -157,7 +157,7 @@ def save_lora(model, path, *, base_model_name_or_path: str | None = None) -> Pat
         "target_modules": sorted({p[-1] for p in paths}),
         "lora_dropout": 0.0,
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": not first.base.checkpoint_transposed,
         "base_model_name_or_path": base_model_name_or_path,
     }
     path = Path(path)

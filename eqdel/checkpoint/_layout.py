@@ -1,10 +1,11 @@
 """Where each parameter of a model lives in a Hugging Face checkpoint.
 
 Model modules mirror Hugging Face's attribute names, so a parameter's attribute path is its
-tensor name. Two rules make the mapping: modules stacked under a field called `layers` or
-`experts` expand to `layers.0`, `layers.1`, ... (a parameter under both stacks both
+tensor name. Two rules make the mapping: modules stacked under a field called `layers`,
+`experts` or `h` expand to `layers.0`, `layers.1`, ... (a parameter under two stacks both
 ways); and the weights of `Linear` and `ExpertLinear`, stored `[in, out]` here, are
-transposed from PyTorch's `[out, in]`.
+transposed from PyTorch's `[out, in]` (unless the `Linear` says its checkpoints store
+`[in, out]`, as GPT-2's do).
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ from .._paths import get_path as get_path
 from .._placement import is_array_like
 from ..nn import ExpertLinear, Linear
 
-_STACKS = ("layers", "experts")
+_STACKS = ("layers", "experts", "h")  # `h`: GPT-2's blocks
 
 
 class HFTensor(NamedTuple):
@@ -75,7 +76,10 @@ def hf_layout(model: eqx.Module) -> list[HFTensor]:
                 name = f"{f.name}.{{}}" if stacks else f.name
                 visit(value, (*where, f.name), (*names, name), stacked + stacks)
             elif is_array_like(value):
-                transpose = isinstance(module, (Linear, ExpertLinear)) and f.name == "weight"
+                transpose = f.name == "weight" and (
+                    isinstance(module, ExpertLinear)
+                    or (isinstance(module, Linear) and module.checkpoint_transposed)
+                )
                 out.append(
                     HFTensor((*where, f.name), ".".join((*names, f.name)), stacked, transpose)
                 )

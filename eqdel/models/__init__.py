@@ -1,6 +1,8 @@
 """Model families, each registered under its Hugging Face `model_type`."""
 
+from ._causal_lm import CausalLM as CausalLM
 from ._gemma import Gemma2DecoderLayer as Gemma2DecoderLayer, GemmaConfig as GemmaConfig
+from ._gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
 from ._llama import (
     LlamaConfig as LlamaConfig,
     LlamaDecoderLayer as LlamaDecoderLayer,

@@ -25,11 +25,10 @@ from ..nn import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    run_layers,
     stack_layers,
 )
 from ..nn._rotary import freeze_parameters
-from ._outputs import CausalLMOutput
+from ._causal_lm import CausalLM, run_decoder_layers
 from ._rope_config import read_rope, write_rope
 
 _ARCHITECTURES = {
@@ -426,52 +425,25 @@ class LlamaModel(eqx.Module):
         mixture-of-experts layers, their router logits `[layers, batch, seq, experts]`
         (else `None`).
         """
-        batch, seq, _ = h.shape
         if (scale := self.config.embedding_scale()) is not None:
             h = h * jnp.asarray(scale, h.dtype)
         cos, sin = self.rotary_emb(position_ids)
-        offsets = jnp.broadcast_to(jnp.arange(seq)[None, :], (batch, seq))
-        if cache is None:
-            query_index, key_index, key_valid, kv, write = (
-                offsets,
-                offsets,
-                token_valid,
-                None,
-                None,
-            )
-        else:
-            write = cache.length
-            query_index = write + offsets
-            key_index = jnp.broadcast_to(jnp.arange(cache.max_length)[None, :], cache.valid.shape)
-            key_valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, write))
-            kv = cache.layers
-        windows = jnp.asarray(self.config.layer_windows, jnp.int32)
-
-        def step(layer, h, inputs):
-            window, layer_kv = inputs
-            mask = AttentionMask(query_index, key_index, key_valid, window)
-            out, layer_kv, router_logits = layer(h, cos, sin, mask, layer_kv, write)
-            return out, (out if output_hidden_states else None, layer_kv, router_logits)
-
-        inputs = h
-        h, (per_layer, kv, router_logits) = run_layers(
+        h, states, cache, router_logits = run_decoder_layers(
             self.layers,
-            step,
+            lambda layer, h, mask, kv, write: layer(h, cos, sin, mask, kv, write),
             h,
-            (windows, kv),
-            scan=self.config.scan_layers,
-            remat=self.config.remat_policy,
+            token_valid,
+            cache,
+            self.config,
+            output_hidden_states=output_hidden_states,
         )
         h = self.norm(h)
-        if cache is not None:
-            cache = KVCache(kv, key_valid, write + seq)
-        states = None
         if output_hidden_states:
-            states = (inputs, *(per_layer[i] for i in range(per_layer.shape[0] - 1)), h)
+            states = (*states, h)
         return h, states, cache, router_logits
 
 
-class LlamaForCausalLM(eqx.Module):
+class LlamaForCausalLM(CausalLM):
     """A Llama, Mistral or Qwen2 causal language model.
 
     !!! example
@@ -511,48 +483,6 @@ class LlamaForCausalLM(eqx.Module):
             )
         )
         self.config = config
-
-    def __call__(
-        self,
-        input_ids: Int[Array, "batch seq"] | None = None,
-        attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
-        position_ids: Int[Array, "batch seq"] | None = None,
-        inputs_embeds: Float[Array, "batch seq embed"] | None = None,
-        cache: KVCache | None = None,
-        output_hidden_states: bool = False,
-    ) -> CausalLMOutput:
-        """**Arguments:**
-
-        - `input_ids`: token ids (or pass `inputs_embeds`).
-        - `attention_mask`: `1`/`True` for real tokens, `0`/`False` for padding.
-        - `position_ids`: defaults to `0 .. seq-1` on every row (after the cache's
-            `length` slots when a cache is given), as transformers does.
-        - `inputs_embeds`: embeddings used instead of looking up `input_ids`.
-        - `cache`: a [`eqdel.KVCache`][] from [`eqdel.models.LlamaForCausalLM.init_cache`][]
-            or a previous call; `attention_mask` then covers the new tokens only.
-        - `output_hidden_states`: also return the per-layer hidden states.
-
-        **Returns:**
-
-        A [`eqdel.models.CausalLMOutput`][] with `logits` `[batch, seq, vocab]`.
-        """
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
-        h = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        batch, seq, _ = h.shape
-        if position_ids is None:
-            start = 0 if cache is None else cache.length
-            position_ids = jnp.broadcast_to(start + jnp.arange(seq)[None, :], (batch, seq))
-        if attention_mask is None:
-            token_valid = jnp.ones((batch, seq), bool)
-        else:
-            token_valid = attention_mask.astype(bool)
-        h, states, cache, router_logits = self.model(
-            h, position_ids, token_valid, cache, output_hidden_states=output_hidden_states
-        )
-        return CausalLMOutput(
-            logits=self.head(h), hidden_states=states, cache=cache, router_logits=router_logits
-        )
 
     def head(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:
         """Logits from final (normed) hidden states: the LM head, or the transposed
@@ -597,80 +527,6 @@ class LlamaForCausalLM(eqx.Module):
     def set_decoder(self, decoder: LlamaModel) -> "LlamaForCausalLM":
         """A new model with `decoder` in place of its decoder."""
         return eqx.tree_at(lambda m: m.model, self, decoder)
-
-    # -- generation -------------------------------------------------------------------------
-
-    def init_cache(
-        self, batch_size: int, max_length: int, dtype=None, *, quantize: bool | None = None
-    ) -> KVCache:
-        """An empty [`eqdel.KVCache`][] for `batch_size` rows of up to `max_length` tokens.
-
-        **Arguments:**
-
-        - `batch_size`, `max_length`: the cache's size.
-        - `dtype`: the cache dtype; the parameters' dtype by default.
-        - `quantize`: int8 storage; `config.quantize_kv_cache` by default.
-        """
-        c = self.config
-        dtype = self.model.embed_tokens.weight.dtype if dtype is None else dtype
-        return KVCache.empty(
-            c.num_hidden_layers,
-            batch_size,
-            max_length,
-            c.num_key_value_heads,
-            c.head_dim,
-            dtype,
-            quantize=c.quantize_kv_cache if quantize is None else quantize,
-        )
-
-    def prepare_inputs_for_generation(
-        self,
-        input_ids: Int[Array, "batch seq"],
-        max_length: int,
-        attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
-    ) -> dict:
-        """Keyword arguments for the prefill call on a (left-padded) prompt.
-
-        **Arguments:**
-
-        - `input_ids`: the prompt.
-        - `max_length`: prompt plus new tokens; the size of the fresh cache.
-        - `attention_mask`: `0` at padding; all ones by default.
-
-        **Returns:**
-
-        `dict(attention_mask=..., position_ids=..., cache=...)`: position ids count real
-        tokens only (the mask's cumulative sum), so left padding does not shift them.
-        """
-        batch, seq = input_ids.shape
-        if attention_mask is None:
-            attention_mask = jnp.ones((batch, seq), jnp.int32)
-        mask = attention_mask.astype(jnp.int32)
-        position_ids = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
-        return dict(
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=self.init_cache(batch, max_length),
-        )
-
-    def update_inputs_for_generation(self, model_outputs: CausalLMOutput, model_kwargs: dict):
-        """Keyword arguments for the next one-token decode call.
-
-        **Arguments:**
-
-        - `model_outputs`: the previous call's output (its cache is carried on).
-        - `model_kwargs`: the previous call's keyword arguments.
-
-        **Returns:**
-
-        A new dict: the updated cache, the next position of every row, a mask of ones.
-        """
-        positions = model_kwargs["position_ids"][:, -1:] + 1
-        return dict(
-            attention_mask=jnp.ones_like(positions),
-            position_ids=positions,
-            cache=model_outputs.cache,
-        )
 
     def __repr__(self) -> str:
         c = self.config

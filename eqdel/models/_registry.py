@@ -1,6 +1,7 @@
 """Hugging Face `model_type` → eqdel model class and config class."""
 
 from ._gemma import GemmaConfig
+from ._gpt2 import GPT2Config, GPT2LMHeadModel
 from ._llama import LlamaConfig, LlamaForCausalLM
 from ._mixtral import MixtralConfig
 
@@ -13,6 +14,7 @@ _FAMILIES = {
     "gemma": (LlamaForCausalLM, GemmaConfig),
     "gemma2": (LlamaForCausalLM, GemmaConfig),
     "mixtral": (LlamaForCausalLM, MixtralConfig),
+    "gpt2": (GPT2LMHeadModel, GPT2Config),
 }
 
 MODEL_TYPES = {model_type: model for model_type, (model, _) in _FAMILIES.items()}

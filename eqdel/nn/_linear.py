@@ -20,6 +20,7 @@ class Linear(eqx.Module):
     weight: Float[Array, "in_features out_features"] = field(axes=lambda self: self.axes)
     bias: Float[Array, " out_features"] | None = field(axes=lambda self: self.axes[1:])
     axes: tuple = eqx.field(static=True)
+    checkpoint_transposed: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -28,6 +29,7 @@ class Linear(eqx.Module):
         *,
         axes: tuple,
         use_bias: bool = False,
+        checkpoint_transposed: bool = True,
         dtype=jnp.float32,
         initializer_range: float = 0.02,
         key: PRNGKeyArray,
@@ -37,6 +39,8 @@ class Linear(eqx.Module):
         - `in_features`, `out_features`: the sizes of the input and output.
         - `axes`: the weight's two semantic axes, `(input axis, output axis)`.
         - `use_bias`: whether to add a bias.
+        - `checkpoint_transposed`: whether checkpoints store the weight `[out, in]`, as
+            PyTorch's `nn.Linear` does (`False`: `[in, out]`, GPT-2's `Conv1D`).
         - `dtype`: parameter dtype.
         - `initializer_range`: standard deviation of the normal weight initialisation.
         - `key`: a `jax.random` key.
@@ -46,6 +50,7 @@ class Linear(eqx.Module):
         )
         self.bias = jnp.zeros((out_features,), dtype) if use_bias else None
         self.axes = tuple(axes)
+        self.checkpoint_transposed = checkpoint_transposed
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
