@@ -1,5 +1,7 @@
 """`ShardingConfig`: the one frozen description of the device mesh and its rule tables."""
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
@@ -253,6 +255,27 @@ class ShardingConfig:
             dims = self.axis_dims
         return dict(zip(self.axis_names, dims))
 
+    @contextlib.contextmanager
+    def activate(self):
+        """Run the enclosed code on this config: its mesh is set with `jax.set_mesh`
+        (which ring attention and `shard_map` read), and models constrain their
+        attention inputs and outputs with its activation rules (see
+        `shard_attention_computation` in the model configs).
+
+        !!! example
+
+            ```python
+            with cfg.activate():
+                logits = jax.jit(lambda m, ids: m(ids).logits)(model, ids)
+            ```
+        """
+        token = _ACTIVE.set(self)
+        try:
+            with jax.set_mesh(self.mesh()):
+                yield self
+        finally:
+            _ACTIVE.reset(token)
+
     def mesh(self) -> Mesh:
         """Build the device mesh.
 
@@ -440,3 +463,13 @@ def _split_over_processes(
             f"of some axes a multiple of {processes}."
         )
     return tuple(ici), tuple(dcn)
+
+
+_ACTIVE: contextvars.ContextVar["ShardingConfig | None"] = contextvars.ContextVar(
+    "eqdel_active_sharding", default=None
+)
+
+
+def active_sharding() -> ShardingConfig | None:
+    """The config of the innermost `ShardingConfig.activate()` block, if any."""
+    return _ACTIVE.get()

@@ -155,7 +155,7 @@ def test_llama_forward_and_train_step_equal_vanilla(mechanism, scan_mlp):
         return logits, state.model, metrics["loss"]
 
     want = run(reference)
-    with jax.set_mesh(eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2)).mesh()):
+    with eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2)).activate():  # constrained, too
         got = run(model)
     np.testing.assert_allclose(got[0], want[0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
@@ -170,3 +170,45 @@ def test_generation_with_the_chunked_kernel_is_token_identical():
     prompt = jnp.asarray(random_ids(2, 7, vocab=64))
     want = eqdel.generate(reference, prompt, max_new_tokens=12)
     np.testing.assert_array_equal(eqdel.generate(chunked, prompt, max_new_tokens=12), want)
+
+
+def _constraint_specs(fn, *args) -> list:
+    """The partition specs of every sharding constraint in `fn`'s jaxpr."""
+    specs = []
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "sharding_constraint":
+                specs.append(eqn.params["sharding"].spec)
+            for value in eqn.params.values():
+                if isinstance(value, jax.extend.core.ClosedJaxpr):
+                    visit(value.jaxpr)
+                elif isinstance(value, jax.extend.core.Jaxpr):
+                    visit(value)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return specs
+
+
+def test_attention_is_constrained_to_the_activation_rules_inside_activate():
+    P = jax.sharding.PartitionSpec
+    model = LlamaForCausalLM(CONFIG, key=jax.random.key(0))
+    ids = jnp.asarray(random_ids(4, 16, vocab=64))
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    forward = lambda m, i: m(i).logits  # noqa: E731
+    assert _constraint_specs(forward, model, ids) == []  # nothing outside activate()
+    with cfg.activate():
+        specs = _constraint_specs(forward, model, ids)
+        sharded = jax.jit(forward)(eqdel.shard(model, cfg), ids)
+        quiet = dataclasses.replace(CONFIG, shard_attention_computation=False)
+        assert (
+            _constraint_specs(forward, LlamaForCausalLM(quiet, key=jax.random.key(0)), ids) == []
+        )
+        cache = model.init_cache(4, 17)
+        step = lambda m, i: m(i, cache=cache).logits  # noqa: E731
+        decode_specs = _constraint_specs(step, model, ids[:, :1])
+    # q, k, v and the output of the scanned layer: batch on (dp, fsdp), sequence on sp,
+    # heads on tp; a one-token decode step leaves the sequence unsharded.
+    assert specs == [P(("dp", "fsdp"), "sp", "tp", None)] * 4
+    assert decode_specs == [P(("dp", "fsdp"), None, "tp", None)] * 4
+    np.testing.assert_allclose(sharded, jax.jit(forward)(model, ids), atol=1e-5, rtol=0)

@@ -81,6 +81,16 @@ def test_sharded_equals_single_device(checkpoint):
     np.testing.assert_allclose(forward(sharded, ids), forward(single, ids), rtol=0, atol=TOL)
 
 
+def test_model_methods(checkpoint):
+    _, path = checkpoint
+    model = eqdel.from_pretrained(path, progress=False)
+    bigger = eqdel.nn.Embedding(96, 32, key=jax.random.key(1))
+    swapped = model.set_input_embeddings(bigger)
+    assert swapped.get_output_embeddings() is bigger and swapped.get_decoder().wte is bigger
+    with pytest.raises(ValueError, match="ties its head"):
+        model.set_output_embeddings(bigger)
+
+
 def test_unsupported_attention_variants_are_refused():
     with pytest.raises(ValueError, match="does not implement: \\['reorder_and_upcast_attn'\\]"):
         eqdel.models.GPT2Config.from_hf_config(

@@ -193,7 +193,7 @@ def test_eqdel_round_trip_is_exact(tmp_path, getkey):
     assert again.config == config
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma", "gemma2"])
 def test_sharded_model_matches_single_device(model_type, tmp_path):
     sizes = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
     hf_model = make_hf_model(model_type, **sizes)

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from hf_reference import random_ids
+from tiny import TINY_LLAMA
 
 import eqdel
 from eqdel.models import LlamaConfig, LlamaForCausalLM
@@ -26,14 +27,7 @@ from eqdel.train import (
     save_train_state,
 )
 
-CONFIG = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+CONFIG = TINY_LLAMA
 OPTIMIZER = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
 
 

@@ -6,10 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from tiny import TINY_LLAMA
 
 import eqdel
 from eqdel import axes
-from eqdel.models import LlamaConfig, LlamaForCausalLM
+from eqdel.models import LlamaForCausalLM
 from eqdel.train import (
     causal_lm_loss,
     init_train_state,
@@ -18,14 +19,7 @@ from eqdel.train import (
     save_train_state,
 )
 
-CONFIG = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
+CONFIG = TINY_LLAMA
 OPTIMIZER = optax.sgd(0.5)
 
 

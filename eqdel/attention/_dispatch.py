@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .. import axes as ax
+from .._placement import constrain
+from .._sharding_config import active_sharding
 from ._chunked import chunked_attention
 from ._masks import AttentionMask
 from ._ring import ring_attention, ring_mesh_size
@@ -98,6 +101,7 @@ def attention(
     block_q: int = 128,
     block_k: int = 128,
     axis_name: str = "sp",
+    shard_computation: bool = True,
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Attention with the kernel `mechanism` names (see
     [`eqdel.attention.select_mechanism`][]); every kernel takes the same arguments and
@@ -112,12 +116,43 @@ def attention(
     - `mechanism`: one of [`eqdel.attention.ATTENTION_MECHANISMS`][].
     - `block_q`, `block_k`: the chunked kernel's block sizes.
     - `axis_name`: the mesh axis ring attention splits the sequence over.
+    - `shard_computation`: inside `ShardingConfig.activate()`, constrain the queries,
+        keys, values and output to that config's activation rules (batch on dp/fsdp,
+        the sequence on sp except for a one-token decode step, heads on tp).
 
     **Returns:**
 
     The attention output, `[batch, q_len, heads, head_dim]` in `query`'s dtype.
     """
+    cfg = active_sharding() if shard_computation else None
+    if cfg is not None:
+        query, key, value = _constrain_inputs(query, key, value, cfg)
     chosen = select_mechanism(mechanism, query, key, soft_cap=soft_cap, axis_name=axis_name)
+    out = _run(chosen, query, key, value, mask, scale, soft_cap, block_q, block_k, axis_name)
+    if cfg is not None:
+        out = constrain(out, _QUERY_AXES, cfg, _mode(query))
+    return out
+
+
+_QUERY_AXES = (ax.BATCH, ax.QUERY_LENGTH, ax.HEAD, ax.HEAD_DIM)
+_KEY_AXES = (ax.BATCH, ax.KV_LENGTH, ax.KV_HEAD, ax.KV_HEAD_DIM)
+
+
+def _mode(query) -> str:
+    """Decode rules (no sequence sharding) for a one-token step, else training rules."""
+    return ax.MODE_DECODE if query.shape[1] == 1 else ax.MODE_TRAIN
+
+
+def _constrain_inputs(query, key, value, cfg):
+    mode = _mode(query)
+    return (
+        constrain(query, _QUERY_AXES, cfg, mode),
+        constrain(key, _KEY_AXES, cfg, mode),
+        constrain(value, _KEY_AXES, cfg, mode),
+    )
+
+
+def _run(chosen, query, key, value, mask, scale, soft_cap, block_q, block_k, axis_name):
     if chosen == "vanilla":
         return vanilla_attention(query, key, value, mask, scale=scale, soft_cap=soft_cap)
     if chosen == "chunked":

@@ -21,7 +21,8 @@ class GPT2Config:
     """GPT-2's sizes under the names the other families use (`hidden_size` is
     Hugging Face's `n_embd`, `num_hidden_layers` its `n_layer`, ...); `intermediate_size`
     defaults to `4 * hidden_size`. `scan_layers`, `remat_policy`, `quantize_kv_cache`,
-    `attn_mechanism`, `block_q` and `block_k` are as in [`eqdel.models.LlamaConfig`][].
+    `attn_mechanism`, `block_q`, `block_k` and `shard_attention_computation` are as in
+    [`eqdel.models.LlamaConfig`][].
     """
 
     vocab_size: int = 50257
@@ -43,6 +44,7 @@ class GPT2Config:
     attn_mechanism: str = "auto"
     block_q: int = 128
     block_k: int = 128
+    shard_attention_computation: bool = True
 
     tie_word_embeddings = True  # GPT-2's head is always its token embeddings
 
@@ -192,6 +194,7 @@ class GPT2Attention(eqx.Module):
             mechanism=c.attn_mechanism,
             block_q=c.block_q,
             block_k=c.block_k,
+            shard_computation=c.shard_attention_computation,
         )
         return self.c_proj(out.reshape(batch, seq, c.hidden_size)), kv
 
@@ -305,8 +308,27 @@ class GPT2LMHeadModel(CausalLM):
     def get_input_embeddings(self) -> Embedding:
         return self.transformer.wte
 
+    def set_input_embeddings(self, embeddings: Embedding) -> "GPT2LMHeadModel":
+        """A new model with `embeddings` as its token embeddings (and so its head)."""
+        return eqx.tree_at(lambda m: m.transformer.wte, self, embeddings)
+
+    def get_output_embeddings(self) -> Embedding:
+        """The head: the token embeddings, to which it is tied."""
+        return self.transformer.wte
+
+    def set_output_embeddings(self, head) -> "GPT2LMHeadModel":
+        """**Raises:**
+
+        `ValueError`: GPT-2's head is its token embeddings; use `set_input_embeddings`.
+        """
+        raise ValueError("GPT-2 ties its head to the token embeddings; use set_input_embeddings.")
+
     def get_decoder(self) -> GPT2Model:
         return self.transformer
+
+    def set_decoder(self, decoder: GPT2Model) -> "GPT2LMHeadModel":
+        """A new model with `decoder` in place of its decoder."""
+        return eqx.tree_at(lambda m: m.transformer, self, decoder)
 
     def head(self, h: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:
         return self.transformer.wte.unembed(h)

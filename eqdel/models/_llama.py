@@ -58,8 +58,10 @@ class LlamaConfig:
     `remat_policy` rematerialises each decoder layer in the backward pass (a name from
     `eqdel.nn.REMAT_POLICIES`). `attn_mechanism` names the attention kernel (one of
     `eqdel.attention.ATTENTION_MECHANISMS`; `block_q`/`block_k` are the chunked kernel's
-    blocks). `use_scan_mlp` applies the MLP to `scan_mlp_chunk_size` tokens at a time,
-    capping its activation memory with the same numbers. These last options are eqdel's
+    blocks; `shard_attention_computation` constrains the attention's inputs and output
+    to the activation rules inside `ShardingConfig.activate()`). `use_scan_mlp` applies
+    the MLP to `scan_mlp_chunk_size` tokens at a time, capping its activation memory with
+    the same numbers. These last options are eqdel's
     own and are not written to `config.json`.
     """
 
@@ -95,6 +97,7 @@ class LlamaConfig:
     attn_mechanism: str = "auto"
     block_q: int = 128
     block_k: int = 128
+    shard_attention_computation: bool = True
     use_scan_mlp: bool = False
     scan_mlp_chunk_size: int = 1024
 
@@ -302,6 +305,7 @@ class LlamaDecoderLayer(eqx.Module):
             mechanism=c.attn_mechanism,
             block_q=c.block_q,
             block_k=c.block_k,
+            shard_computation=c.shard_attention_computation,
             dtype=dtype,
             initializer_range=c.initializer_range,
             key=k_attn,

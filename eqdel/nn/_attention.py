@@ -32,6 +32,7 @@ class Attention(eqx.Module):
     mechanism: str = eqx.field(static=True)
     block_q: int = eqx.field(static=True)
     block_k: int = eqx.field(static=True)
+    shard_computation: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -49,6 +50,7 @@ class Attention(eqx.Module):
         mechanism: str = "auto",
         block_q: int = 128,
         block_k: int = 128,
+        shard_computation: bool = True,
         dtype=jnp.float32,
         initializer_range: float = 0.02,
         key: PRNGKeyArray,
@@ -67,6 +69,8 @@ class Attention(eqx.Module):
             one after another (as Phi-3 stores them) instead of three projections.
         - `mechanism`, `block_q`, `block_k`: the attention kernel (one of
             [`eqdel.attention.ATTENTION_MECHANISMS`][]) and the chunked kernel's blocks.
+        - `shard_computation`: constrain the attention's inputs and output inside
+            `ShardingConfig.activate()` (see [`eqdel.attention.attention`][]).
         - `dtype`, `initializer_range`: parameter dtype and initialisation scale.
         - `key`: a `jax.random` key.
         """
@@ -115,6 +119,7 @@ class Attention(eqx.Module):
         self.mechanism = mechanism
         self.block_q = block_q
         self.block_k = block_k
+        self.shard_computation = shard_computation
 
     def project(
         self,
@@ -158,6 +163,7 @@ class Attention(eqx.Module):
             mechanism=self.mechanism,
             block_q=self.block_q,
             block_k=self.block_k,
+            shard_computation=self.shard_computation,
         )
         batch, q_len = out.shape[:2]
         return self.o_proj(out.reshape(batch, q_len, self.num_heads * self.head_dim))
