@@ -112,7 +112,10 @@ def run_demo(
         result = finetune(base, corpus_file(), root / "run", options, sharding=cfg)
         losses = result.losses
         kept = "" if output_dir is None else f"; loss curve: {result.plot_file}"
-        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{kept}")
+        if losses:
+            print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}{kept}")
+        else:
+            print(f"{root / 'run'} already holds all {options.steps} steps{kept}")
 
         trained = from_pretrained(result.model_dir, sharding=cfg, progress=False)
         ids = jnp.asarray([tokenizer.encode(prompt).ids], jnp.int32)
