@@ -22,6 +22,12 @@ from ._lora import (
 )
 from ._partition_rules import match_partition_rules as match_partition_rules
 from ._placement import constrain as constrain, partition_specs as partition_specs, shard as shard
+from ._quant import (
+    Int8Linear as Int8Linear,
+    NF4Linear as NF4Linear,
+    dequantize as dequantize,
+    quantize as quantize,
+)
 from ._sharding_config import ShardingConfig as ShardingConfig
 from ._version import __version__ as __version__
 from .checkpoint import from_pretrained as from_pretrained, save_pretrained as save_pretrained

@@ -13,6 +13,7 @@ from safetensors.numpy import load_file, save_file
 
 from ._field import field
 from ._paths import get_path, module_paths
+from ._quant import QUANTIZED, dequantized_linear
 from .nn import Linear
 
 _ADAPTER_CONFIG = "adapter_config.json"
@@ -20,10 +21,10 @@ _ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 class LoRALinear(eqx.Module):
-    """A frozen-able `Linear` plus a trainable low-rank update:
-    `base(x) + scale * (x @ lora_A) @ lora_B`."""
+    """A frozen-able `Linear` (or quantized linear, for QLoRA) plus a trainable low-rank
+    update: `base(x) + scale * (x @ lora_A) @ lora_B`."""
 
-    base: Linear
+    base: eqx.Module
     lora_A: Float[Array, "*layers in_features rank"] = field(
         axes=lambda self: (self.base.axes[0], None)
     )
@@ -47,10 +48,11 @@ class LoRALinear(eqx.Module):
         return self.base(x) + self.scale * update
 
     def merged(self) -> Linear:
-        """The plain `Linear` with the update folded into its weight."""
+        """The plain `Linear` with the update folded into its (dequantised) weight."""
+        base = self.base if isinstance(self.base, Linear) else dequantized_linear(self.base)
         delta = self.scale * (self.lora_A @ self.lora_B)
-        weight = (self.base.weight + delta).astype(self.base.weight.dtype)
-        return eqx.tree_at(lambda layer: layer.weight, self.base, weight)
+        weight = (base.weight + delta).astype(base.weight.dtype)
+        return eqx.tree_at(lambda layer: layer.weight, base, weight)
 
 
 def apply_lora(model, rank: int, alpha: float, targets, *, key: PRNGKeyArray):
@@ -81,16 +83,20 @@ def apply_lora(model, rank: int, alpha: float, targets, *, key: PRNGKeyArray):
     if _lora_paths(model):
         raise ValueError("The model already has LoRA adapters; merge_lora it first.")
     targets = set(targets)
-    paths = module_paths(model, lambda name, value: isinstance(value, Linear) and name in targets)
+    adaptable = (Linear, *QUANTIZED)
+    paths = module_paths(
+        model, lambda name, value: isinstance(value, adaptable) and name in targets
+    )
     if not paths:
         raise ValueError(f"No linear layer is called any of {sorted(targets)}.")
     adapted = []
     for path, k in zip(paths, jax.random.split(key, len(paths))):
         base = get_path(model, path)
-        *layers, fan_in, fan_out = base.weight.shape
+        weight = base.weight if isinstance(base, Linear) else dequantized_linear(base).weight
+        *layers, fan_in, fan_out = weight.shape
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)), as PEFT does
-        a = jax.random.uniform(k, (*layers, fan_in, rank), base.weight.dtype, -bound, bound)
-        b = jnp.zeros((*layers, rank, fan_out), base.weight.dtype)
+        a = jax.random.uniform(k, (*layers, fan_in, rank), weight.dtype, -bound, bound)
+        b = jnp.zeros((*layers, rank, fan_out), weight.dtype)
         adapted.append(LoRALinear(base, a, b, alpha / rank))
     where = lambda m: [get_path(m, p) for p in paths]  # noqa: E731
     return eqx.tree_at(where, model, adapted)

@@ -102,7 +102,7 @@ def make_train_step(
         parameters, gradients and optimizer state in their own dtype (mixed precision).
         Losses are still reduced in float32.
     - `donate`: donate the input state's trainable arrays and optimizer state to the
-        output (frozen arrays are never donated).
+        output (frozen arrays and the batch are never donated).
 
     **Returns:**
 
@@ -123,7 +123,8 @@ def make_train_step(
 
         return jax.tree.map(split, batch)
 
-    def step(frozen, state: TrainState, batch):
+    def step(frozen_and_batch, state: TrainState):
+        frozen, batch = frozen_and_batch
         params = state.model
 
         def loss_and_count(params, micro):
@@ -173,15 +174,16 @@ def make_train_step(
         metrics = dict(loss=loss, grad_norm=grad_norm, tokens=count, finite=finite)
         return new_state, metrics
 
-    # The frozen part goes first and is never donated: it is shared with the caller's
-    # model (a LoRA base, frozen embeddings) and does not change.
+    # The frozen part and the batch go first and are never donated: the frozen part is
+    # shared with the caller's model (a LoRA base, frozen embeddings), and the caller may
+    # reuse the batch.
     donation = "all-except-first" if donate else "none"
     checked = eqx.filter_jit(checkify.checkify(step), donate=donation)
 
     def run(state: TrainState, batch):
         params, frozen = eqx.partition(state.model, _trainable_spec(state.model, trainable))
         error, (state, metrics) = checked(
-            frozen, eqx.tree_at(lambda s: s.model, state, params), batch
+            (frozen, batch), eqx.tree_at(lambda s: s.model, state, params)
         )
         message = None if skip_nonfinite else error.get()
         if message is not None:

@@ -1,0 +1,123 @@
+"""Weight quantization: int8 and NF4 modules, agreement with the float model, memory,
+sharding, generation, dequantization, QLoRA and clear errors."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hf_reference import random_ids
+
+import eqdel
+from eqdel._demo import TINY_LLAMA, corpus_file, train_tokenizer
+from eqdel.models import LlamaForCausalLM
+from eqdel.nn import Linear
+from eqdel.train import batches, causal_lm_loss, init_train_state, make_train_step, pack, tokenize
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The demo's tiny Llama after 60 steps on the embedded corpus: random weights give
+    near-uniform logits, where top-1 agreement measures only ties."""
+    texts = corpus_file().read_text().splitlines()
+    tokenizer = train_tokenizer(texts, 512)
+    config = dataclasses.replace(TINY_LLAMA, vocab_size=tokenizer.get_vocab_size())
+    model = LlamaForCausalLM(config, key=jax.random.key(0))
+    optimizer = optax.adamw(3e-3)
+    state = init_train_state(model, optimizer, jax.random.key(1))
+    step = make_train_step(causal_lm_loss, optimizer)
+    data = batches(pack(tokenize(texts, tokenizer), 32, eos_token_id=1), 8, seed=0)
+    for _ in range(60):
+        state, _ = step(state, next(data))
+    return state.model
+
+
+def agreement_and_kl(model, quantized, ids):
+    forward = jax.jit(lambda m: m(ids).logits)
+    want, got = forward(model), forward(quantized)
+    log_p, log_q = jax.nn.log_softmax(want), jax.nn.log_softmax(got)
+    kl = jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
+    return float(jnp.mean(want.argmax(-1) == got.argmax(-1))), float(kl)
+
+
+def linear_bytes(model) -> int:
+    layers = eqx.filter(model.model.layers, eqx.is_array)
+    return sum(x.nbytes for x in jax.tree.leaves(layers) if x.ndim >= 3)
+
+
+def test_int8_agrees_with_float_and_takes_a_quarter(trained):
+    ids = jnp.asarray(random_ids(16, 32, vocab=trained.config.vocab_size, seed=2))
+    quantized = eqdel.quantize(trained, 8)
+    agreement, kl = agreement_and_kl(trained, quantized, ids)
+    assert agreement >= 0.99 and kl < 1e-3
+    assert isinstance(quantized.model.layers.self_attn.q_proj, eqdel.Int8Linear)
+    assert quantized.model.layers.self_attn.q_proj.codes.dtype == jnp.int8
+    assert isinstance(quantized.lm_head, Linear)  # the head and embeddings stay float
+    # int8 codes plus one float32 scale per output channel of each layer
+    assert linear_bytes(quantized) / linear_bytes(trained) == pytest.approx(0.25, abs=0.01)
+
+
+def test_nf4_codes_round_trip_and_take_an_eighth_plus_scales(trained):
+    layer = Linear(256, 96, axes=(None, None), key=jax.random.key(0))
+    nf4 = eqdel.NF4Linear(layer, group_size=64)
+    assert nf4.codes.shape == (128, 96) and nf4.codes.dtype == jnp.uint8
+    assert nf4.scales.shape == (4, 96)
+    error = nf4.weight(jnp.float32) - layer.weight
+    assert float(jnp.sqrt(jnp.mean(error**2) / jnp.mean(layer.weight**2))) < 0.1
+    quantized = eqdel.quantize(trained, 4, group_size=32)
+    ratio = linear_bytes(quantized) / linear_bytes(trained)
+    assert ratio == pytest.approx(1 / 8 + 1 / 32, abs=0.01)  # codes, and a scale per 32
+    ids = jnp.asarray(random_ids(16, 32, vocab=trained.config.vocab_size, seed=2))
+    _, kl = agreement_and_kl(trained, quantized, ids)
+    assert kl < 0.05
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_models_shard_generate_and_dequantize(trained, bits):
+    quantized = eqdel.quantize(trained, bits, group_size=32)
+    ids = jnp.asarray(random_ids(4, 8, vocab=trained.config.vocab_size))
+    forward = jax.jit(lambda m: m(ids).logits)
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    sharded = eqdel.shard(quantized, cfg)
+    codes = sharded.model.layers.self_attn.q_proj.codes
+    assert codes.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "sp"), "tp")
+    np.testing.assert_allclose(forward(sharded), forward(quantized), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(forward(eqdel.dequantize(quantized)), forward(quantized))
+    tokens = eqdel.generate(sharded, ids[:, :5], max_new_tokens=6)
+    np.testing.assert_array_equal(tokens, eqdel.generate(quantized, ids[:, :5], max_new_tokens=6))
+
+
+def test_qlora_trains_adapters_on_a_frozen_quantized_base(trained):
+    quantized = eqdel.quantize(trained, 4, group_size=32)
+    model = eqdel.apply_lora(quantized, 4, 8.0, ("q_proj", "v_proj"), key=jax.random.key(3))
+    trainable = eqdel.lora_filter(model)
+    optimizer = optax.adamw(1e-2)
+    state = init_train_state(model, optimizer, jax.random.key(4), trainable=trainable)
+    step = make_train_step(causal_lm_loss, optimizer, trainable=trainable)
+    batch = {"input_ids": jnp.asarray(random_ids(4, 16, vocab=model.config.vocab_size, seed=7))}
+    losses = []
+    for _ in range(20):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert losses[-1] < 0.8 * losses[0]
+    base = state.model.model.layers.self_attn.q_proj.base
+    np.testing.assert_array_equal(base.codes, quantized.model.layers.self_attn.q_proj.codes)
+    ids = batch["input_ids"]
+    merged = eqdel.merge_lora(state.model)
+    np.testing.assert_allclose(merged(ids).logits, state.model(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_bad_quantization_requests_are_named(trained):
+    with pytest.raises(ValueError, match=r"bits must be 8 .* or 4 .*, not 3"):
+        eqdel.quantize(trained, 3)
+    with pytest.raises(
+        ValueError, match=r"self_attn.q_proj: group_size 48 must be even and divide"
+    ):
+        eqdel.quantize(trained, 4, group_size=48)
+    with pytest.raises(ValueError, match="already quantized"):
+        eqdel.quantize(eqdel.quantize(trained, 8), 8)
+    with pytest.raises(ValueError, match="no quantized layers"):
+        eqdel.dequantize(trained)
