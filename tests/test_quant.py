@@ -121,3 +121,5 @@ def test_bad_quantization_requests_are_named(trained):
         eqdel.quantize(eqdel.quantize(trained, 8), 8)
     with pytest.raises(ValueError, match="no quantized layers"):
         eqdel.dequantize(trained)
+    with pytest.raises(ValueError, match="q_proj is quantized, and eqdel does not write"):
+        eqdel.save_pretrained(eqdel.quantize(trained, 8), "never-written")

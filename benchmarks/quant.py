@@ -1,0 +1,102 @@
+"""Weight memory, greedy decode throughput and agreement with float of a random-weight
+Llama in float32, int8 and NF4, in one run.
+
+    python benchmarks/quant.py [--batch 4 --prompt 64 --new 64]
+"""
+
+import argparse
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from _report import LLAMA_SIZES, write
+
+import eqdel
+from eqdel.models import LlamaConfig, LlamaForCausalLM
+
+SIZES = {**LLAMA_SIZES, "vocab_size": 4096}
+
+
+def _seconds(fn) -> float:
+    fn()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _bytes(model) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--group-size", type=int, default=16, help="must divide 688")
+    args = parser.parse_args()
+
+    model = LlamaForCausalLM(LlamaConfig(**SIZES), key=jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (args.batch, args.prompt), 3, SIZES["vocab_size"])
+    variants = {
+        "float32": model,
+        "int8": eqdel.quantize(model, 8),
+        "nf4": eqdel.quantize(model, 4, group_size=args.group_size),
+    }
+    forward = jax.jit(lambda m: m(ids).logits)
+    reference = forward(model)
+    results = {}
+    for name, variant in variants.items():
+        run = lambda m=variant: eqdel.generate(  # noqa: E731
+            m, ids, max_new_tokens=args.new, eos_token_id=[]
+        ).block_until_ready()
+        logits = forward(variant)
+        log_p, log_q = jax.nn.log_softmax(reference), jax.nn.log_softmax(logits)
+        results[name] = {
+            "model_bytes": _bytes(variant),
+            "decoder_linear_bytes": sum(
+                x.nbytes
+                for x in jax.tree.leaves(eqx.filter(variant.model.layers, eqx.is_array))
+                if x.ndim >= 3
+            ),
+            "tokens_per_s": args.batch * args.new / _seconds(run),
+            "top1_agreement": float(jnp.mean(logits.argmax(-1) == reference.argmax(-1))),
+            "kl": float(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))),
+        }
+    base = results["float32"]
+    rows = [
+        [
+            name,
+            f"{r['model_bytes'] / 2**20:.1f}",
+            f"{r['decoder_linear_bytes'] / base['decoder_linear_bytes']:.3f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{100 * r['top1_agreement']:.1f}%",
+            f"{r['kl']:.2e}",
+        ]
+        for name, r in results.items()
+    ]
+    write(
+        "quant",
+        {"sizes": SIZES, "args": vars(args), "results": results},
+        [
+            (
+                f"Greedy decode, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens; "
+                f"random weights, hidden {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} "
+                f"layers, vocab {SIZES['vocab_size']}, NF4 group {args.group_size}",
+                [
+                    "weights",
+                    "model MiB",
+                    "decoder linears vs float32",
+                    "decode tokens/s",
+                    "top-1 agreement",
+                    "KL",
+                ],
+                rows,
+            )
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()
