@@ -203,3 +203,32 @@ def dequantize(model):
         raise ValueError("The model has no quantized layers.")
     plain = [dequantized_linear(get_path(model, p)) for p in paths]
     return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, plain)
+
+
+QUANT_METHOD = "eqdel"
+"""The `quant_method` eqdel writes in `config.json`'s `quantization_config`."""
+
+
+def quantization_config(model) -> dict | None:
+    """What `config.json` records of a quantized model, so that
+    [`eqdel.from_pretrained`][] can quantize its skeleton the same way; `None` for a
+    float model.
+
+    **Raises:**
+
+    `ValueError` for a model mixing int8 and NF4, or NF4 group sizes.
+    """
+    paths = module_paths(model, lambda _, m: isinstance(m, QUANTIZED))
+    if not paths:
+        return None
+    layers = [get_path(model, p) for p in paths]
+    kinds = {(8, None) if isinstance(q, Int8Linear) else (4, q.group_size) for q in layers}
+    if len(kinds) > 1:
+        raise ValueError(f"The model mixes quantizations {sorted(kinds, key=str)}; save one kind.")
+    ((bits, group_size),) = kinds
+    return dict(
+        quant_method=QUANT_METHOD,
+        bits=bits,
+        group_size=group_size,
+        modules=sorted({p[-1] for p in paths}),
+    )

@@ -121,5 +121,26 @@ def test_bad_quantization_requests_are_named(trained):
         eqdel.quantize(eqdel.quantize(trained, 8), 8)
     with pytest.raises(ValueError, match="no quantized layers"):
         eqdel.dequantize(trained)
-    with pytest.raises(ValueError, match="q_proj is quantized, and eqdel does not write"):
-        eqdel.save_pretrained(eqdel.quantize(trained, 8), "never-written")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_save_load_round_trip_is_exact(trained, bits, tmp_path):
+    import json
+
+    quantized = eqdel.quantize(trained, bits, group_size=32)
+    eqdel.save_pretrained(quantized, tmp_path / "q")
+    recorded = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert recorded["quant_method"] == "eqdel" and recorded["bits"] == bits
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    for sharding in (None, cfg):
+        again = eqdel.from_pretrained(tmp_path / "q", sharding=sharding, progress=False)
+        assert type(again.model.layers.mlp.up_proj) is type(quantized.model.layers.mlp.up_proj)
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(quantized), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+    recorded["quant_method"] = "gptq"
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    config["quantization_config"] = recorded
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantization 'gptq' is not supported"):
+        eqdel.from_pretrained(tmp_path / "q", progress=False)

@@ -17,7 +17,6 @@ import equinox as eqx
 from .._lora import LoRALinear
 from .._paths import get_path as get_path
 from .._placement import is_array_like
-from .._quant import QUANTIZED
 from ..nn import ExpertLinear, Linear
 
 _STACKS = ("layers", "experts", "h")  # `h`: GPT-2's blocks
@@ -65,11 +64,6 @@ def hf_layout(model: eqx.Module) -> list[HFTensor]:
             raise ValueError(
                 f"{'.'.join(where)} carries LoRA adapters; merge_lora the model before "
                 "writing a Hugging Face checkpoint, or save the adapters with save_lora."
-            )
-        if isinstance(module, QUANTIZED):
-            raise ValueError(
-                f"{'.'.join(where)} is quantized, and eqdel does not write quantized "
-                "checkpoints yet; save eqdel.dequantize(model)."
             )
         for f in dataclasses.fields(module):
             if f.metadata.get("static", False):

@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from .._placement import placements
+from .._quant import QUANT_METHOD, quantize
 from .._sharding_config import ShardingConfig
 from ..models import config_class
 from ..models._registry import MODEL_TYPES
@@ -132,6 +133,29 @@ def _cast(array: np.ndarray, dtype, name: str) -> np.ndarray:
     return out
 
 
+def _load_dtype(leaf, dtype):
+    """Floating parameters load in the requested dtype; quantization codes keep theirs."""
+    return dtype if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf.dtype
+
+
+def _quantization(path: Path, hf: dict):
+    """The transformation that gives the skeleton the checkpoint's quantized layers."""
+    config = hf.get("quantization_config")
+    if config is None:
+        return lambda model: model
+    if config.get("quant_method") != QUANT_METHOD:
+        raise CheckpointError(
+            f"{path / 'config.json'}: quantization {config.get('quant_method')!r} is not "
+            f"supported; eqdel reads its own ({QUANT_METHOD!r}) and float checkpoints."
+        )
+    return lambda model: quantize(
+        model,
+        config["bits"],
+        group_size=config.get("group_size") or 64,
+        targets=config["modules"],
+    )
+
+
 def _loader(tensor: HFTensor, reader: _Reader, dtype, shape: tuple[int, ...]):
     """The `make_array_from_callback` callback for one parameter of `shape`."""
 
@@ -198,8 +222,9 @@ def from_pretrained(
         )
     config = config_class(model_type).from_hf_config(hf, **config_overrides)
     model_class = MODEL_TYPES[model_type]
+    quantization = _quantization(path, hf)
     skeleton = eqx.filter_eval_shape(
-        lambda: model_class(config, dtype=dtype, key=jax.random.key(0))
+        lambda: quantization(model_class(config, dtype=dtype, key=jax.random.key(0)))
     )
     layout = hf_layout(skeleton)
     reader = _Reader(_weight_files(path))
@@ -221,7 +246,7 @@ def from_pretrained(
     ):
         arrays.append(
             jax.make_array_from_callback(
-                leaf.shape, placed, _loader(tensor, reader, dtype, leaf.shape)
+                leaf.shape, placed, _loader(tensor, reader, _load_dtype(leaf, dtype), leaf.shape)
             )
         )
     treedef = jax.tree.structure(skeleton)

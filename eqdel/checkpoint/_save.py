@@ -13,6 +13,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
+from .._quant import quantization_config
 from ._layout import get_path, hf_layout
 from ._load import INDEX_FILE, SINGLE_FILE
 
@@ -81,7 +82,9 @@ def _write_shards(model, directory: Path, max_bytes: int) -> None:
 
 
 def save_pretrained(model, path, *, max_shard_size: int | str = "5GB") -> Path:
-    """Write `model` as a Hugging Face checkpoint that `transformers` loads.
+    """Write `model` as a Hugging Face checkpoint that `transformers` loads (a model
+    from [`eqdel.quantize`][] is written as its codes and scales, with the quantization
+    in `config.json`; eqdel loads it back, transformers does not).
 
     Everything is written to a temporary directory beside `path` and moved into place at
     the end, so a failure never leaves a half-written checkpoint where a good one was.
@@ -108,9 +111,10 @@ def save_pretrained(model, path, *, max_shard_size: int | str = "5GB") -> Path:
         return path
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        (staging / "config.json").write_text(
-            json.dumps(model.config.to_hf_config(), indent=2, sort_keys=True)
-        )
+        hf_config = model.config.to_hf_config()
+        if (quantization := quantization_config(model)) is not None:
+            hf_config["quantization_config"] = quantization
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         _write_shards(model, staging, max_bytes)
         _replace_directory(staging, path)
     finally:
