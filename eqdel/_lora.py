@@ -92,7 +92,11 @@ def apply_lora(model, rank: int, alpha: float, targets, *, key: PRNGKeyArray):
     adapted = []
     for path, k in zip(paths, jax.random.split(key, len(paths))):
         base = get_path(model, path)
-        weight = base.weight if isinstance(base, Linear) else dequantized_linear(base).weight
+        weight = (
+            base.weight
+            if isinstance(base, Linear)
+            else jax.eval_shape(lambda base=base: dequantized_linear(base).weight)
+        )
         *layers, fan_in, fan_out = weight.shape
         bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform(a=sqrt(5)), as PEFT does
         a = jax.random.uniform(k, (*layers, fan_in, rank), weight.dtype, -bound, bound)

@@ -8,8 +8,8 @@ import jax
 from jax.sharding import PartitionSpec
 
 
-def leaf_path(path) -> str:
-    """A `/`-joined path such as `model/layers/0/self_attn/q_proj/weight`."""
+def leaf_path(path, sep: str = "/") -> str:
+    """A `sep`-joined path such as `model/layers/0/self_attn/q_proj/weight`."""
     parts = []
     for key in path:
         if isinstance(key, jax.tree_util.GetAttrKey):
@@ -22,7 +22,7 @@ def leaf_path(path) -> str:
             parts.append(str(key.key))
         else:
             parts.append(str(key))
-    return "/".join(parts)
+    return sep.join(parts)
 
 
 def match_partition_rules(rules: Sequence[tuple[str, PartitionSpec]], tree):

@@ -11,13 +11,14 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._cache import KVLayer
 from ..attention import AttentionMask
 from ..nn import RMSNorm
-from ._llama import LlamaConfig, LlamaDecoderLayer
+from ._llama import LlamaConfig, LlamaDecoderLayer, llama_attention, llama_mlp, llama_norm
 
 _GEMMA_ARCHITECTURES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 _SOFT_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
@@ -130,16 +131,13 @@ class Gemma2DecoderLayer(eqx.Module):
         - `key`: a `jax.random` key.
         """
         # The attention and MLP are Llama's; only the norms around them differ.
-        llama = LlamaDecoderLayer(config, dtype=dtype, key=key)
-        self.self_attn, self.mlp = llama.self_attn, llama.mlp
-
-        def norm():
-            return RMSNorm(config.hidden_size, config.rms_norm_eps, offset=1.0, dtype=dtype)
-
-        self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()
-        self.pre_feedforward_layernorm = norm()
-        self.post_feedforward_layernorm = norm()
+        k_attn, k_mlp = jax.random.split(key)
+        self.self_attn = llama_attention(config, dtype=dtype, key=k_attn)
+        self.mlp = llama_mlp(config, dtype=dtype, key=k_mlp)
+        self.input_layernorm = llama_norm(config, dtype=dtype)
+        self.post_attention_layernorm = llama_norm(config, dtype=dtype)
+        self.pre_feedforward_layernorm = llama_norm(config, dtype=dtype)
+        self.post_feedforward_layernorm = llama_norm(config, dtype=dtype)
 
     def __call__(
         self,

@@ -270,6 +270,48 @@ class LlamaConfig:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope_parameters}
 
 
+def llama_norm(c: LlamaConfig, *, dtype) -> RMSNorm:
+    """A decoder RMSNorm of the family of `c` (Gemma's is `(1 + weight)`)."""
+    return RMSNorm(c.hidden_size, c.rms_norm_eps, offset=c.norm_offset, dtype=dtype)
+
+
+def llama_attention(c: LlamaConfig, *, dtype, key: PRNGKeyArray) -> Attention:
+    """The self-attention every decoder layer built from `c` uses."""
+    return Attention(
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.head_dim,
+        qkv_bias=c.attention_bias or c.qkv_bias,
+        o_bias=c.attention_bias,
+        scale=c.attention_scale(),
+        soft_cap=c.attention_soft_cap(),
+        qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+        fused_qkv=c.fused_projections,
+        mechanism=c.attn_mechanism,
+        block_q=c.block_q,
+        block_k=c.block_k,
+        shard_computation=c.shard_attention_computation,
+        dtype=dtype,
+        initializer_range=c.initializer_range,
+        key=key,
+    )
+
+
+def llama_mlp(c: LlamaConfig, *, dtype, key: PRNGKeyArray) -> GatedMLP:
+    """The dense gated MLP of a decoder layer built from `c`."""
+    return GatedMLP(
+        c.hidden_size,
+        c.intermediate_size,
+        c.hidden_act,
+        use_bias=c.mlp_bias,
+        fused=c.fused_projections,
+        dtype=dtype,
+        initializer_range=c.initializer_range,
+        key=key,
+    )
+
+
 class LlamaDecoderLayer(eqx.Module):
     """Pre-norm attention and gated MLP, each with a residual connection."""
 
@@ -287,42 +329,11 @@ class LlamaDecoderLayer(eqx.Module):
         - `key`: a `jax.random` key.
         """
         k_attn, k_mlp = jax.random.split(key)
+        self.input_layernorm = llama_norm(config, dtype=dtype)
+        self.self_attn = llama_attention(config, dtype=dtype, key=k_attn)
+        self.post_attention_layernorm = llama_norm(config, dtype=dtype)
+        self.mlp = llama_mlp(config, dtype=dtype, key=k_mlp)
         c = config
-        self.input_layernorm = RMSNorm(
-            c.hidden_size, c.rms_norm_eps, offset=c.norm_offset, dtype=dtype
-        )
-        self.self_attn = Attention(
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            qkv_bias=c.attention_bias or c.qkv_bias,
-            o_bias=c.attention_bias,
-            scale=c.attention_scale(),
-            soft_cap=c.attention_soft_cap(),
-            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
-            fused_qkv=c.fused_projections,
-            mechanism=c.attn_mechanism,
-            block_q=c.block_q,
-            block_k=c.block_k,
-            shard_computation=c.shard_attention_computation,
-            dtype=dtype,
-            initializer_range=c.initializer_range,
-            key=k_attn,
-        )
-        self.post_attention_layernorm = RMSNorm(
-            c.hidden_size, c.rms_norm_eps, offset=c.norm_offset, dtype=dtype
-        )
-        self.mlp = GatedMLP(
-            c.hidden_size,
-            c.intermediate_size,
-            c.hidden_act,
-            use_bias=c.mlp_bias,
-            fused=c.fused_projections,
-            dtype=dtype,
-            initializer_range=c.initializer_range,
-            key=k_mlp,
-        )
         self.mlp_chunk_size = c.scan_mlp_chunk_size if c.use_scan_mlp else None
 
     def __call__(

@@ -12,7 +12,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .._cache import KVLayer
 from ..attention import AttentionMask
 from ..nn import RMSNorm, SparseMoE
-from ._llama import LlamaConfig, LlamaDecoderLayer
+from ._llama import LlamaConfig, llama_attention, llama_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +79,10 @@ class MixtralDecoderLayer(eqx.Module):
         - `dtype`: parameter dtype.
         - `key`: a `jax.random` key.
         """
-        k_llama, k_moe = jax.random.split(key)
-        llama = LlamaDecoderLayer(config, dtype=dtype, key=k_llama)
-        self.input_layernorm = llama.input_layernorm
-        self.self_attn = llama.self_attn
-        self.post_attention_layernorm = llama.post_attention_layernorm
+        k_attn, k_moe = jax.random.split(key)
+        self.input_layernorm = llama_norm(config, dtype=dtype)
+        self.self_attn = llama_attention(config, dtype=dtype, key=k_attn)
+        self.post_attention_layernorm = llama_norm(config, dtype=dtype)
         self.block_sparse_moe = SparseMoE(
             config.hidden_size,
             config.intermediate_size,

@@ -6,23 +6,14 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._partition_rules import leaf_path
 from .._placement import is_array_like
 
 
 def _leaf_name(path) -> str:
     """A readable, filesystem-safe name for a pytree path: `model.model.norm.weight`,
     `opt_state.0.mu.lm_head.weight`."""
-    parts = []
-    for entry in path:
-        if isinstance(entry, jax.tree_util.GetAttrKey):
-            parts.append(entry.name)
-        elif isinstance(entry, jax.tree_util.SequenceKey):
-            parts.append(str(entry.idx))
-        elif isinstance(entry, jax.tree_util.DictKey):
-            parts.append(str(entry.key))
-        else:
-            parts.append(str(entry).strip(".[]'\""))
-    return ".".join(parts)
+    return leaf_path(path, sep=".")
 
 
 def _is_key(x) -> bool:
