@@ -73,20 +73,35 @@ __all__ = [
 EMPTY = "_"
 """A dimension that is never sharded."""
 BATCH = "__BATCH__"
+"""Examples in a batch."""
 LENGTH = "__LENGTH__"
+"""Token positions of a sequence (hidden states, logits)."""
 KV_LENGTH = "__KV_LENGTH__"
+"""Key/value positions: the cache length, or the keys' sequence in attention."""
 QUERY_LENGTH = "__QUERY_LENGTH__"
+"""Query positions in attention; one token in decode mode."""
 EMBED = "__EMBED__"
+"""The model (hidden) width."""
 HEAD = "__HEAD__"
+"""Attention query heads."""
 KV_HEAD = "__KV_HEAD__"
+"""Attention key/value heads (fewer than query heads under GQA)."""
 HEAD_DIM = "__HEAD_DIM__"
+"""The width of one query head."""
 KV_HEAD_DIM = "__KV_HEAD_DIM__"
+"""The width of one key/value head."""
 MLP_INTERMEDIATE = "__MLP_INTERMEDIATE__"
+"""The MLP's hidden width (`intermediate_size`)."""
 VOCAB = "__VOCAB__"
+"""Vocabulary entries (embedding rows, logits)."""
 EXPERT = "__EXPERT__"
+"""Experts of a mixture-of-experts layer."""
 EXPERT_GATE = "__EXPERT_GATE__"
+"""The router's per-expert scores."""
 BIAS_HEAD_SEQ = "__BIAS_HEAD_SEQ__"
+"""The query dimension of an attention bias."""
 BIAS_KV_SEQ = "__BIAS_KV_SEQ__"
+"""The key dimension of an attention bias."""
 LAYERS = "__LAYERS__"
 """The leading dimension of layers stacked for scan-over-layers."""
 
@@ -110,31 +125,48 @@ SEMANTIC_AXES = frozenset(
         LAYERS,
     }
 )
+"""Every semantic axis above."""
 
 # Parallelism tokens: name a mesh axis directly.
 DATA_PARALLEL = "__DATA_PARALLEL__"
+"""The `dp` mesh axis, named directly."""
 FULLY_SHARDED_DATA_PARALLEL = "__FULLY_SHARDED_DATA_PARALLEL__"
+"""The `fsdp` mesh axis, named directly."""
 TENSOR_PARALLEL = "__TENSOR_PARALLEL__"
+"""The `tp` mesh axis, named directly."""
 EXPERT_PARALLEL = "__EXPERT_PARALLEL__"
+"""The `ep` mesh axis, named directly."""
 SEQUENCE_PARALLEL = "__SEQUENCE_PARALLEL__"
+"""The `sp` mesh axis, named directly."""
 DP = DATA_PARALLEL
+"""Short for [`eqdel.axes.DATA_PARALLEL`][]."""
 FSDP = FULLY_SHARDED_DATA_PARALLEL
+"""Short for [`eqdel.axes.FULLY_SHARDED_DATA_PARALLEL`][]."""
 TP = TENSOR_PARALLEL
+"""Short for [`eqdel.axes.TENSOR_PARALLEL`][]."""
 EP = EXPERT_PARALLEL
+"""Short for [`eqdel.axes.EXPERT_PARALLEL`][]."""
 SP = SEQUENCE_PARALLEL
+"""Short for [`eqdel.axes.SEQUENCE_PARALLEL`][]."""
 
 PARALLELISM_TOKENS = {DP: "dp", FSDP: "fsdp", TP: "tp", EP: "ep", SP: "sp"}
 """Each parallelism token and the mesh axis name it stands for."""
 
 # Runtime modes.
 MODE_DECODE = "__autoregressive__"
+"""One new token per step against a KV cache: query length is not sharded."""
 MODE_PREFILL = "__prefill__"
+"""A prompt run once to fill the cache: sharded like training."""
 MODE_TRAIN = "__train__"
+"""Whole sequences, forward and backward."""
 MODE_INSERT = "__insert__"
+"""A few tokens written into an existing cache: sharded like decode."""
 GENERATION_MODES = frozenset({MODE_DECODE, MODE_INSERT})
 """Modes in which the query length is one token (or a handful) against a cache."""
 RUNTIME_MODES = frozenset({MODE_DECODE, MODE_PREFILL, MODE_TRAIN, MODE_INSERT})
+"""Every runtime mode."""
 RuntimeMode = Literal["__autoregressive__", "__prefill__", "__train__", "__insert__"]
+"""The type of a runtime mode."""
 
 
 class DynamicShardingAxes(NamedTuple):
@@ -284,6 +316,7 @@ class NotGiven:
 
 
 NOT_GIVEN = NotGiven()
+"""The value of an argument that was not passed."""
 
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 """A large negative logit for masked attention positions, finite so that fully masked rows

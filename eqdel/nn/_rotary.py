@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, Int
 from ._broadcast import trailing
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+"""The Hugging Face `rope_type`s [`eqdel.nn.RotaryEmbedding`][] implements."""
 
 
 def _base_inv_freq(base: float, dim: int) -> np.ndarray:
