@@ -1,5 +1,6 @@
 """Fine-tune a checkpoint on a text or JSONL file: the work behind `eqdel finetune`."""
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -215,6 +216,7 @@ def finetune(
     _keep_records_up_to(metrics_file, start)
     losses = []
     with (
+        contextlib.nullcontext() if sharding is None else sharding.activate(),
         metrics_file.open("a") as log,
         tqdm(total=options.steps, initial=start, disable=not progress, unit="step") as bar,
     ):

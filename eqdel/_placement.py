@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import axes as ax
 from ._field import AXES_METADATA_KEY
-from ._sharding_config import Fallback, Kind, ShardingConfig, is_preset
+from ._sharding_config import Fallback, Kind, ShardingConfig, active_sharding, is_preset
 
 
 class LeafPlacement(NamedTuple):
@@ -179,19 +179,26 @@ def shard(tree, cfg: ShardingConfig, mode: str | int = ax.MODE_TRAIN, kind: Kind
     return _map_arrays(tree, placed)
 
 
-def constrain(x: jax.Array, axes, cfg: ShardingConfig, mode: str | int = ax.MODE_TRAIN):
+def constrain(
+    x: jax.Array, axes, cfg: ShardingConfig | None = None, mode: str | int = ax.MODE_TRAIN
+):
     """Constrain an activation's sharding inside a forward pass.
 
     **Arguments:**
 
     - `x`: the activation.
     - `axes`: its semantic axes, one per dimension, or a `DynamicShardingAxes` preset.
-    - `cfg`: the sharding config.
+    - `cfg`: the sharding config; by default the one of the enclosing
+        [`eqdel.ShardingConfig.activate`][] block. With neither, `x` is returned as it
+        is, so a model can constrain its activations and still run unsharded.
     - `mode`: runtime mode or dimension index, as in [`eqdel.ShardingConfig.resolve`][].
 
     **Returns:**
 
     `x` with a sharding constraint from the activation rule table.
     """
+    cfg = active_sharding() if cfg is None else cfg
+    if cfg is None:
+        return x
     spec = cfg.resolve(axes, mode, x.shape, kind="activation")
     return jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh(), spec))

@@ -258,9 +258,11 @@ class ShardingConfig:
     @contextlib.contextmanager
     def activate(self):
         """Run the enclosed code on this config: its mesh is set with `jax.set_mesh`
-        (which ring attention and `shard_map` read), and models constrain their
-        attention inputs and outputs with its activation rules (see
-        `shard_attention_computation` in the model configs).
+        (which ring attention and `shard_map` read), and models constrain their hidden
+        states between layers, and their attention inputs and outputs (see
+        `shard_attention_computation` in the model configs), to its activation rules;
+        [`eqdel.constrain`][] without a config uses it too. Trace (call for the first
+        time) the jitted functions that should see it inside the block.
 
         !!! example
 

@@ -59,21 +59,22 @@ class ParallelBlock(eqx.Module):
 
 
 class ParallelLM(eqx.Module):
-    """Token embeddings, a stack of [`ParallelBlock`][]s and a head tied to the
-    embeddings."""
+    """Token embeddings, a stack of [`ParallelBlock`][]s and a language-model head."""
 
     embed: nn.Embedding
     blocks: list[ParallelBlock]
     norm: nn.RMSNorm
     rotary: nn.RotaryEmbedding
+    head: nn.Linear
 
     def __init__(self, vocab: int, hidden: int, depth: int, *, key: PRNGKeyArray):
-        embed_key, *block_keys = jax.random.split(key, depth + 1)
+        embed_key, head_key, *block_keys = jax.random.split(key, depth + 2)
         heads = 4
         self.embed = nn.Embedding(vocab, hidden, key=embed_key)
         self.blocks = [ParallelBlock(hidden, heads, 2, key=k) for k in block_keys]
         self.norm = nn.RMSNorm(hidden)
         self.rotary = nn.RotaryEmbedding(hidden // heads)
+        self.head = nn.Linear(hidden, vocab, axes=(axes.EMBED, axes.VOCAB), key=head_key)
 
     @jaxtyped(typechecker=beartype)
     def hidden_states(
@@ -85,11 +86,12 @@ class ParallelLM(eqx.Module):
         cos, sin = self.rotary(positions)
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x, cos, sin, mask)
+            # Inside `cfg.activate()`: hidden states on the activation rules' spec.
+            x = eqdel.constrain(block(x, cos, sin, mask), (axes.BATCH, axes.LENGTH, axes.EMBED))
         return self.norm(x)
 
     def __call__(self, ids: Int[Array, "batch seq"]) -> Float[Array, "batch seq vocab"]:
-        return self.embed.unembed(self.hidden_states(ids, jnp.ones(ids.shape, bool)))
+        return self.head(self.hidden_states(ids, jnp.ones(ids.shape, bool)))
 
 
 def next_token_loss(model: ParallelLM, batch: dict) -> tuple[Array, Array]:
@@ -98,7 +100,7 @@ def next_token_loss(model: ParallelLM, batch: dict) -> tuple[Array, Array]:
     hidden = model.hidden_states(ids, valid)
     weights = valid[:, 1:].astype(jnp.float32)
     loss_sum = chunked_cross_entropy(
-        model.embed.unembed,
+        model.head,
         hidden[:, :-1].reshape(-1, hidden.shape[-1]),
         ids[:, 1:].reshape(-1),
         weights.reshape(-1),
@@ -133,9 +135,10 @@ def main(steps: int) -> None:
         NamedSharding(cfg.mesh(), batch_spec),
     )
     losses = []
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-        losses.append(float(metrics["loss"]))
+    with cfg.activate():
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps")
 
 

@@ -60,9 +60,10 @@ def main(steps: int, lora_rank: int, output: Path | None) -> list[float]:
     step = make_train_step(causal_lm_loss, optimizer, trainable=trainable)
     losses = []
     data = batches(pack([tokens], 32), 8, seed=0, sharding=mesh)
-    for _ in range(steps):
-        state, metrics = step(state, next(data))
-        losses.append(float(metrics["loss"]))
+    with mesh.activate():  # models constrain their activations to the mesh
+        for _ in range(steps):
+            state, metrics = step(state, next(data))
+            losses.append(float(metrics["loss"]))
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {steps} steps")
     if lora_rank and output is not None:
         eqdel.save_lora(state.model, output)  # adapter_config.json + adapter_model.safetensors

@@ -190,7 +190,7 @@ def _constraint_specs(fn, *args) -> list:
     return specs
 
 
-def test_attention_is_constrained_to_the_activation_rules_inside_activate():
+def test_hidden_states_and_attention_are_constrained_to_the_rules_inside_activate():
     P = jax.sharding.PartitionSpec
     model = LlamaForCausalLM(CONFIG, key=jax.random.key(0))
     ids = jnp.asarray(random_ids(4, 16, vocab=64))
@@ -201,14 +201,21 @@ def test_attention_is_constrained_to_the_activation_rules_inside_activate():
         specs = _constraint_specs(forward, model, ids)
         sharded = jax.jit(forward)(eqdel.shard(model, cfg), ids)
         quiet = dataclasses.replace(CONFIG, shard_attention_computation=False)
-        assert (
-            _constraint_specs(forward, LlamaForCausalLM(quiet, key=jax.random.key(0)), ids) == []
+        quiet_specs = _constraint_specs(
+            forward, LlamaForCausalLM(quiet, key=jax.random.key(0)), ids
         )
         cache = model.init_cache(4, 17)
         step = lambda m, i: m(i, cache=cache).logits  # noqa: E731
         decode_specs = _constraint_specs(step, model, ids[:, :1])
-    # q, k, v and the output of the scanned layer: batch on (dp, fsdp), sequence on sp,
-    # heads on tp; a one-token decode step leaves the sequence unsharded.
-    assert specs == [P(("dp", "fsdp"), "sp", "tp", None)] * 4
-    assert decode_specs == [P(("dp", "fsdp"), None, "tp", None)] * 4
+    # The hidden states entering the layers and leaving each (batch on (dp, fsdp), the
+    # sequence on sp, embed on tp); q, k, v and the attention output of the scanned layer
+    # (heads on tp). A one-token decode step leaves the sequence unsharded.
+    hidden, decode_hidden = P(("dp", "fsdp"), "sp", "tp"), P(("dp", "fsdp"), None, "tp")
+    assert specs == [hidden, *[P(("dp", "fsdp"), "sp", "tp", None)] * 4, hidden]
+    assert quiet_specs == [hidden, hidden]  # shard_attention_computation=False
+    assert decode_specs == [
+        decode_hidden,
+        *[P(("dp", "fsdp"), None, "tp", None)] * 4,
+        decode_hidden,
+    ]
     np.testing.assert_allclose(sharded, jax.jit(forward)(model, ids), atol=1e-5, rtol=0)

@@ -1,5 +1,10 @@
 """Loss, train steps, gradient accumulation, frozen leaves and non-finite handling."""
 
+import contextlib
+import subprocess
+import sys
+import textwrap
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -138,8 +143,11 @@ def test_non_finite_loss_raises_naming_step_or_is_skipped(getkey):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("dims", [(1, 2, 2, 2), (2, 4, 1, 1), (2, 2, 2, 1)])
-def test_three_train_steps_on_a_mesh_equal_single_device(dims, getkey):
+@pytest.mark.parametrize(
+    "dims, activated",
+    [((1, 2, 2, 2), False), ((1, 2, 2, 2), True), ((2, 4, 1, 1), True), ((2, 2, 2, 1), False)],
+)
+def test_three_train_steps_on_a_mesh_equal_single_device(dims, activated, getkey):
     model = LlamaForCausalLM(CONFIG, key=getkey())
     # SGD, so parameters differ only by lr x gradient differences (Adam's first step
     # normalises each gradient entry to about +-lr, magnifying rounding near zero).
@@ -153,13 +161,50 @@ def test_three_train_steps_on_a_mesh_equal_single_device(dims, getkey):
         single, single_metrics = step(single, batch)
         spec = cfg.resolve((eqdel.axes.BATCH, eqdel.axes.LENGTH), shape=(4, 8))
         placed = jax.device_put(batch, jax.sharding.NamedSharding(cfg.mesh(), spec))
-        sharded, sharded_metrics = step(sharded, placed)
+        with cfg.activate() if activated else contextlib.nullcontext():
+            sharded, sharded_metrics = step(sharded, placed)
         np.testing.assert_allclose(
             float(sharded_metrics["loss"]), float(single_metrics["loss"]), rtol=1e-6
         )
     for a, b in zip(jax.tree.leaves(sharded.model), jax.tree.leaves(single.model)):
         assert len(a.sharding.device_set) == 8
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+FSDP_AND_SP_STEP = textwrap.dedent(
+    """
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    import optax
+    import eqdel
+    from eqdel.models import LlamaConfig, LlamaForCausalLM
+    from eqdel.train import batches, causal_lm_loss, init_train_state, make_train_step
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    optimizer = optax.adamw(1e-3)
+    model = LlamaForCausalLM(config, key=jax.random.key(0))
+    state = eqdel.shard(init_train_state(model, optimizer, jax.random.key(1)), cfg)
+    step = make_train_step(causal_lm_loss, optimizer)
+    batch = next(batches(jax.numpy.zeros((8, 32), int) + 3, 8, seed=0, sharding=cfg))
+    with cfg.activate():
+        state, metrics = step(state, batch)
+    print(float(metrics["loss"]))
+    """
+)
+
+
+def test_activated_train_step_never_replicates_activations_to_reshard():
+    """On a mesh that shards `embed` parameters over the axes carrying the batch and the
+    sequence (fsdp and sp), constraining hidden states between layers leaves XLA no
+    activation it must replicate to reshard ("Involuntary full rematerialization")."""
+    out = subprocess.run(
+        [sys.executable, "-c", FSDP_AND_SP_STEP], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Involuntary full rematerialization" not in out.stderr
 
 
 @pytest.mark.parametrize("policy", ["full", "dots_saveable", "nothing_saveable"])

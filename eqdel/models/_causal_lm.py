@@ -9,10 +9,23 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .. import axes as ax
 from .._cache import KVCache
+from .._placement import constrain
 from ..attention import AttentionMask
 from ..nn import run_layers
 from ._outputs import CausalLMOutput
+
+_HIDDEN_AXES = (ax.BATCH, ax.LENGTH, ax.EMBED)
+
+
+def _settle(h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
+    """Inside `ShardingConfig.activate()`, constrain hidden states to the activation
+    rules (the sequence unsharded for a one-token step). Without it, parameters sharded
+    on `embed` over the mesh axes that carry the batch or the sequence leave the
+    partitioner to reconcile the two in every layer, replicating whole activations
+    where it cannot."""
+    return constrain(h, _HIDDEN_AXES, mode=1)
 
 
 def run_decoder_layers(
@@ -46,6 +59,7 @@ def run_decoder_layers(
     logits (or `None`).
     """
     batch, seq, _ = h.shape
+    h = _settle(h)
     offsets = jnp.broadcast_to(jnp.arange(seq)[None, :], (batch, seq))
     if cache is None:
         query_index, key_index, key_valid, kv, write = offsets, offsets, token_valid, None, None
@@ -61,6 +75,7 @@ def run_decoder_layers(
         window, layer_kv = inputs
         mask = AttentionMask(query_index, key_index, key_valid, window)
         out, layer_kv, router_logits = call(layer, h, mask, layer_kv, write)
+        out = _settle(out)
         return out, (out if output_hidden_states else None, layer_kv, router_logits)
 
     inputs = h
