@@ -1,5 +1,6 @@
 """Weight memory, greedy decode throughput and agreement with float of a random-weight
-Llama in float32, int8 and NF4, in one run.
+Llama in float32, int8 and NF4 (rounded to nearest, and by GPTQ on calibration tokens),
+in one run.
 
     python benchmarks/quant.py [--batch 4 --prompt 64 --new 64]
 """
@@ -39,11 +40,23 @@ def main():
 
     model = LlamaForCausalLM(LlamaConfig(**SIZES), key=jax.random.key(0))
     ids = jax.random.randint(jax.random.key(1), (args.batch, args.prompt), 3, SIZES["vocab_size"])
-    variants = {
-        "float32": model,
-        "int8": eqdel.quantize(model, 8),
-        "nf4": eqdel.quantize(model, 4, group_size=args.group_size),
+    calibration = jax.random.randint(
+        jax.random.key(2), (4 * args.batch, args.prompt), 3, SIZES["vocab_size"]
+    )
+    recipes = {
+        "float32": lambda: model,
+        "int8": lambda: eqdel.quantize(model, 8),
+        "int8 + gptq": lambda: eqdel.quantize(model, 8, calibration=calibration),
+        "nf4": lambda: eqdel.quantize(model, 4, group_size=args.group_size),
+        "nf4 + gptq": lambda: eqdel.quantize(
+            model, 4, group_size=args.group_size, calibration=calibration
+        ),
     }
+    variants, quantize_s = {}, {}
+    for name, recipe in recipes.items():
+        start = time.perf_counter()
+        variants[name] = jax.block_until_ready(recipe())
+        quantize_s[name] = time.perf_counter() - start
     forward = jax.jit(lambda m: m(ids).logits)
     reference = forward(model)
     results = {}
@@ -54,6 +67,7 @@ def main():
         logits = forward(variant)
         log_p, log_q = jax.nn.log_softmax(reference), jax.nn.log_softmax(logits)
         results[name] = {
+            "quantize_s": quantize_s[name],
             "model_bytes": _bytes(variant),
             "decoder_linear_bytes": sum(
                 x.nbytes
@@ -73,6 +87,7 @@ def main():
             f"{r['tokens_per_s']:,.0f}",
             f"{100 * r['top1_agreement']:.1f}%",
             f"{r['kl']:.2e}",
+            f"{r['quantize_s']:.1f}",
         ]
         for name, r in results.items()
     ]
@@ -83,7 +98,8 @@ def main():
             (
                 f"Greedy decode, batch {args.batch}, prompt {args.prompt}, {args.new} new tokens; "
                 f"random weights, hidden {SIZES['hidden_size']}, {SIZES['num_hidden_layers']} "
-                f"layers, vocab {SIZES['vocab_size']}, NF4 group {args.group_size}",
+                f"layers, vocab {SIZES['vocab_size']}, NF4 group {args.group_size}; GPTQ "
+                f"calibrated on {4 * args.batch} x {args.prompt} other random tokens",
                 [
                     "weights",
                     "model MiB",
@@ -91,6 +107,7 @@ def main():
                     "decode tokens/s",
                     "top-1 agreement",
                     "KL",
+                    "quantize s",
                 ],
                 rows,
             )

@@ -4,9 +4,11 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int8, UInt8
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, Float, Int, Int8, UInt8
 
 from ._field import field
+from ._gptq import gptq_round, input_grams
 from ._paths import get_path, module_paths
 from .nn import Linear
 
@@ -31,6 +33,55 @@ NF4_LEVELS = (
 """The 16 NF4 values: quantiles of a standard normal scaled to [-1, 1] (QLoRA)."""
 
 
+def _safe(scales: Array) -> Array:
+    return jnp.where(scales == 0, 1.0, scales)
+
+
+def int8_scales(
+    w: Float[Array, "*layers in_features out_features"],
+) -> Float[Array, "*layers out_features"]:
+    """Each output channel's absolute maximum over 127."""
+    return jnp.max(jnp.abs(w), axis=-2) / 127.0
+
+
+def int8_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Int8[Array, "*shape"]:
+    """The int8 code nearest to every weight, given its (broadcast) scale."""
+    return jnp.clip(jnp.round(w / _safe(scales)), -127, 127).astype(jnp.int8)
+
+
+def nf4_scales(
+    w: Float[Array, "*layers in_features out_features"], group_size: int
+) -> Float[Array, "*layers groups out_features"]:
+    """The absolute maximum of every block of `group_size` inputs of every output."""
+    *lead, n_in, n_out = w.shape
+    blocks = w.reshape(*lead, n_in // group_size, group_size, n_out)
+    return jnp.max(jnp.abs(blocks), axis=-2)
+
+
+def per_input(
+    scales: Float[Array, "*layers groups out_features"], group_size: int
+) -> Float[Array, "*layers in_features out_features"]:
+    """Block scales repeated for every input of their block."""
+    return jnp.repeat(scales, group_size, axis=-2)
+
+
+def nf4_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> UInt8[Array, "*shape"]:
+    """The index of the NF4 level nearest to every weight over its (broadcast) scale."""
+    levels = jnp.asarray(NF4_LEVELS, jnp.float32).reshape((1,) * w.ndim + (16,))
+    scaled = (w / _safe(scales))[..., None]
+    return jnp.argmin(jnp.abs(scaled - levels), axis=-1).astype(jnp.uint8)
+
+
+def int8_values(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Float[Array, "*shape"]:
+    """The nearest values int8 codes can hold at these scales."""
+    return int8_codes(w, scales).astype(jnp.float32) * scales
+
+
+def nf4_values(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Float[Array, "*shape"]:
+    """The nearest values NF4 codes can hold at these scales."""
+    return jnp.asarray(NF4_LEVELS, jnp.float32)[nf4_codes(w, scales)] * scales
+
+
 class Int8Linear(eqx.Module):
     """A `Linear` whose `[in, out]` weight is int8 codes times one float scale per output
     channel, dequantised in the matmul."""
@@ -41,16 +92,18 @@ class Int8Linear(eqx.Module):
     axes: tuple = eqx.field(static=True)
     checkpoint_transposed: bool = eqx.field(static=True)
 
-    def __init__(self, linear: Linear):
+    def __init__(self, linear: Linear, scales: Float[Array, "*layers out_features"] | None = None):
         """**Arguments:**
 
         - `linear`: the layer to quantize (its weight may carry leading layer dimensions).
+        - `scales`: the scales to round against, kept as given; by default each output
+            channel's absolute maximum over 127, in the weight's dtype.
         """
         w = linear.weight.astype(jnp.float32)
-        scales = jnp.max(jnp.abs(w), axis=-2) / 127.0
-        safe = jnp.where(scales == 0, 1.0, scales)
-        self.codes = jnp.clip(jnp.round(w / safe[..., None, :]), -127, 127).astype(jnp.int8)
-        self.scales = scales.astype(linear.weight.dtype)
+        if scales is None:
+            scales = int8_scales(w).astype(linear.weight.dtype)
+        self.codes = int8_codes(w, scales.astype(jnp.float32)[..., None, :])
+        self.scales = scales
         self.bias = linear.bias
         self.axes = linear.axes
         self.checkpoint_transposed = linear.checkpoint_transposed
@@ -78,23 +131,27 @@ class NF4Linear(eqx.Module):
     axes: tuple = eqx.field(static=True)
     checkpoint_transposed: bool = eqx.field(static=True)
 
-    def __init__(self, linear: Linear, group_size: int = 64):
+    def __init__(
+        self,
+        linear: Linear,
+        group_size: int = 64,
+        scales: Float[Array, "*layers groups out_features"] | None = None,
+    ):
         """**Arguments:**
 
         - `linear`: the layer to quantize.
         - `group_size`: inputs per scale; must divide `in_features` and be even.
+        - `scales`: the block scales to round against, kept as given; by default each
+            block's absolute maximum, in the weight's dtype.
         """
         w = linear.weight.astype(jnp.float32)
+        if scales is None:
+            scales = nf4_scales(w, group_size).astype(linear.weight.dtype)
+        nearest = nf4_codes(w, per_input(scales.astype(jnp.float32), group_size))
         *lead, n_in, n_out = w.shape
-        blocks = w.reshape(*lead, n_in // group_size, group_size, n_out)
-        scales = jnp.max(jnp.abs(blocks), axis=-2)
-        safe = jnp.where(scales == 0, 1.0, scales)[..., None, :]
-        scaled = (blocks / safe)[..., None]
-        levels = jnp.asarray(NF4_LEVELS, jnp.float32).reshape((1,) * (scaled.ndim - 1) + (16,))
-        nearest = jnp.argmin(jnp.abs(scaled - levels), axis=-1)
-        nearest = nearest.reshape(*lead, n_in // 2, 2, n_out).astype(jnp.uint8)
+        nearest = nearest.reshape(*lead, n_in // 2, 2, n_out)
         self.codes = nearest[..., 0, :] | (nearest[..., 1, :] << 4)
-        self.scales = scales.astype(linear.weight.dtype)
+        self.scales = scales
         self.bias = linear.bias
         self.group_size = group_size
         self.axes = linear.axes
@@ -105,8 +162,7 @@ class NF4Linear(eqx.Module):
         *lead, half, n_out = self.codes.shape
         pairs = jnp.stack([self.codes & 15, self.codes >> 4], axis=-2)
         values = jnp.asarray(NF4_LEVELS, dtype)[pairs.reshape(*lead, 2 * half, n_out)]
-        scales = jnp.repeat(self.scales.astype(dtype), self.group_size, axis=-2)
-        return values * scales
+        return values * per_input(self.scales.astype(dtype), self.group_size)
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
@@ -139,11 +195,48 @@ def dequantized_linear(layer) -> Linear:
     )
 
 
-def quantize(model, bits: int = 8, *, group_size: int = 64, targets=None):
+def _quantized(layer: Linear, bits: int, group_size: int, gram: Array | None):
+    """One layer's quantized stand-in: rounded to nearest, or by GPTQ given the `gram`
+    (`Σ xᵀx`) of its calibration inputs."""
+    w = layer.weight.astype(jnp.float32)
+    if bits == 8:
+        scales = int8_scales(w).astype(layer.weight.dtype)
+        per_weight = jnp.broadcast_to(scales.astype(jnp.float32)[..., None, :], w.shape)
+        nearest, build = int8_values, lambda linear: Int8Linear(linear, scales)
+    else:
+        scales = nf4_scales(w, group_size).astype(layer.weight.dtype)
+        per_weight = per_input(scales.astype(jnp.float32), group_size)
+        nearest, build = nf4_values, lambda linear: NF4Linear(linear, group_size, scales)
+    if gram is not None:
+        # Replicated, GPTQ's loop over rows needs no collectives.
+        everywhere = w.sharding
+        if isinstance(everywhere, NamedSharding):
+            everywhere = NamedSharding(everywhere.mesh, PartitionSpec())
+        inputs = jax.device_put((w, gram, per_weight), everywhere)
+        rounded = jax.device_put(gptq_round(*inputs, nearest), w.sharding)
+        layer = eqx.tree_at(lambda m: m.weight, layer, rounded)
+    return build(layer)
+
+
+def quantize(
+    model,
+    bits: int = 8,
+    *,
+    group_size: int = 64,
+    targets=None,
+    calibration: Int[Array, "batch seq"] | None = None,
+):
     """A new model whose linear layers are quantized: `bits=8` gives int8 codes with a
     scale per output channel ([`eqdel.Int8Linear`][]), `bits=4` NF4 codes with a scale per
     `group_size` inputs ([`eqdel.NF4Linear`][]). Embeddings, norms and biases stay as
     they are.
+
+    Weights round to the nearest code unless `calibration` tokens are given: then every
+    layer's codes are chosen by GPTQ (Frantar et al., 2022), which rounds one input at a
+    time, the most active first, and moves each rounding error onto the inputs not yet
+    rounded so that the layer's outputs on the calibration activations change least. The
+    activations come from one pass of the float model (not layer by layer over the
+    quantized one), and the scales stay the blocks' absolute maxima.
 
     **Arguments:**
 
@@ -152,6 +245,7 @@ def quantize(model, bits: int = 8, *, group_size: int = 64, targets=None):
     - `group_size`: NF4's block of inputs per scale.
     - `targets`: field names of the linear layers to quantize; by default every `Linear`
         but the language-model head (`lm_head`).
+    - `calibration`: `[batch, seq]` token ids for GPTQ; text like the model's use.
 
     **Returns:**
 
@@ -184,9 +278,8 @@ def quantize(model, bits: int = 8, *, group_size: int = 64, targets=None):
                     f"{'.'.join(where)}: group_size {group_size} must be even and divide its "
                     f"{n_in} inputs."
                 )
-        replaced = [NF4Linear(layer, group_size) for layer in layers]
-    else:
-        replaced = [Int8Linear(layer) for layer in layers]
+    grams = [None] * len(paths) if calibration is None else input_grams(model, paths, calibration)
+    replaced = [_quantized(layer, bits, group_size, g) for layer, g in zip(layers, grams)]
     return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, replaced)
 
 

@@ -13,6 +13,8 @@ from hf_reference import random_ids
 
 import eqdel
 from eqdel._demo import TINY_LLAMA, corpus_file, train_tokenizer
+from eqdel._gptq import gptq_round, input_grams
+from eqdel._quant import int8_values, nf4_values, per_input
 from eqdel.models import LlamaForCausalLM
 from eqdel.nn import Linear
 from eqdel.train import batches, causal_lm_loss, init_train_state, make_train_step, pack, tokenize
@@ -73,6 +75,89 @@ def test_nf4_codes_round_trip_and_take_an_eighth_plus_scales(trained):
     ids = jnp.asarray(random_ids(16, 32, vocab=trained.config.vocab_size, seed=2))
     _, kl = agreement_and_kl(trained, quantized, ids)
     assert kl < 0.05
+
+
+@pytest.fixture(scope="module")
+def sampled_prompts(trained):
+    """Text the model itself writes (temperature 1 from random first tokens): prompts
+    like the ones it will be given, unlike uniformly random ids, where its top choices
+    are near ties."""
+    starts = jnp.asarray(random_ids(16, 1, vocab=trained.config.vocab_size, seed=3))
+    return eqdel.generate(
+        trained, starts, max_new_tokens=31, do_sample=True, temperature=1.0, key=jax.random.key(5)
+    )
+
+
+def test_input_grams_sum_each_layers_inputs(trained):
+    ids = jnp.asarray(random_ids(4, 16, vocab=trained.config.vocab_size, seed=4))
+    paths = [("model", "layers", "self_attn", "q_proj"), ("model", "layers", "mlp", "up_proj")]
+    q_gram, up_gram = input_grams(trained, paths, ids)
+    assert q_gram.shape == up_gram.shape == (4, 64, 64)
+    states = trained(ids, output_hidden_states=True).hidden_states
+    for i in range(4):
+        layer = jax.tree.map(lambda x, i=i: x[i], trained.model.layers)
+        x = layer.input_layernorm(states[i]).reshape(-1, 64)
+        np.testing.assert_allclose(q_gram[i], x.T @ x, rtol=1e-5, atol=1e-4)
+    assert not np.allclose(q_gram, up_gram)  # the MLP reads the post-attention norm
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_gptq_rounding_lowers_output_error_and_stays_on_the_grid(bits):
+    rng = np.random.RandomState(0)
+    mixing = rng.randn(64, 64) * rng.exponential(1.0, 64)  # correlated, uneven inputs
+    x = jnp.asarray(rng.randn(512, 64) @ mixing, jnp.float32)
+    layer = Linear(64, 32, axes=(None, None), key=jax.random.key(1))
+    if bits == 8:
+        nearest = eqdel.Int8Linear(layer)
+        scales = jnp.broadcast_to(nearest.scales[None, :], (64, 32))
+        values, build = int8_values, lambda lin: eqdel.Int8Linear(lin, nearest.scales)
+    else:
+        nearest = eqdel.NF4Linear(layer, 16)
+        scales = per_input(nearest.scales, 16)
+        values, build = nf4_values, lambda lin: eqdel.NF4Linear(lin, 16, nearest.scales)
+    rounded = gptq_round(layer.weight, x.T @ x, scales, values)
+    again = build(eqx.tree_at(lambda m: m.weight, layer, rounded))
+    np.testing.assert_array_equal(again.weight(jnp.float32), rounded)
+
+    def output_error(w):
+        return float(jnp.linalg.norm(x @ (w - layer.weight)))
+
+    assert output_error(rounded) < 0.8 * output_error(nearest.weight(jnp.float32))
+
+
+def test_calibrated_quantization_agrees_better(trained, sampled_prompts):
+    calibration = jnp.asarray(random_ids(64, 32, vocab=trained.config.vocab_size, seed=11))
+    random_prompts = jnp.asarray(random_ids(16, 32, vocab=trained.config.vocab_size, seed=2))
+    nearest = eqdel.quantize(trained, 4, group_size=16)
+    calibrated = eqdel.quantize(trained, 4, group_size=16, calibration=calibration)
+    assert isinstance(calibrated.model.layers.mlp.down_proj, eqdel.NF4Linear)
+    for prompts in (random_prompts, sampled_prompts):
+        _, kl_nearest = agreement_and_kl(trained, nearest, prompts)
+        _, kl_calibrated = agreement_and_kl(trained, calibrated, prompts)
+        assert kl_calibrated < 0.85 * kl_nearest
+    agreement, _ = agreement_and_kl(trained, calibrated, sampled_prompts)
+    assert agreement >= 0.95
+    int8 = eqdel.quantize(trained, 8, calibration=calibration)
+    assert agreement_and_kl(trained, int8, sampled_prompts)[0] >= 0.99
+
+
+def test_calibrated_quantization_of_a_sharded_model_is_the_same(trained):
+    calibration = jnp.asarray(random_ids(8, 16, vocab=trained.config.vocab_size, seed=12))
+    want = eqdel.quantize(trained, 4, group_size=16, calibration=calibration)
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    paths = [("model", "layers", "mlp", "down_proj")]
+    with cfg.activate():
+        sharded = eqdel.shard(trained, cfg)
+        got = eqdel.quantize(sharded, 4, group_size=16, calibration=calibration)
+        (gram,) = input_grams(sharded, paths, calibration)
+    (unsharded,) = input_grams(trained, paths, calibration)
+    scale = float(jnp.abs(unsharded).max())
+    np.testing.assert_allclose(gram, unsharded, rtol=1e-5, atol=1e-6 * scale)
+    codes = got.model.layers.self_attn.q_proj.codes
+    assert codes.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "sp"), "tp")
+    # Sums over devices round differently, which may tip a code sitting on a tie.
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.mean(np.asarray(a) != np.asarray(b)) < 1e-3
 
 
 @pytest.mark.parametrize("bits", [8, 4])

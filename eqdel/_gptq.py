@@ -1,0 +1,136 @@
+"""Error-compensating rounding (GPTQ: Frantar et al., 2022) from the inputs that a model's
+linear layers see on calibration tokens."""
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from ._paths import get_path
+from .nn import Linear
+
+GPTQ_DAMPING = 0.01
+"""The fraction of the Hessian's mean diagonal added to its diagonal before inverting it."""
+
+
+@jax.custom_vjp
+def _record_gram(x: Array, gram: Array) -> Array:
+    return x
+
+
+def _record_gram_fwd(x, gram):
+    return x, x
+
+
+def _record_gram_bwd(x, cotangent):
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    return cotangent, rows.T @ rows
+
+
+_record_gram.defvjp(_record_gram_fwd, _record_gram_bwd)
+
+
+class _GramProbe(eqx.Module):
+    """A `Linear` whose "gradient" with respect to `gram` (zeros) is defined to be the
+    sum of `xᵀx` over every input row it was called with."""
+
+    linear: Linear
+    gram: Float[Array, "*layers in_features in_features"]
+
+    def __call__(
+        self, x: Float[Array, "*batch in_features"]
+    ) -> Float[Array, "*batch out_features"]:
+        return self.linear(_record_gram(x, self.gram))
+
+
+def input_grams(
+    model, paths: list[tuple[str, ...]], input_ids: Int[Array, "batch seq"]
+) -> list[Float[Array, "*layers in_features in_features"]]:
+    """`Σ xᵀx` over the inputs `x` that each listed `Linear` sees while the model reads
+    `input_ids`, from one forward and backward pass. Layers stacked for the scan get one
+    sum per layer.
+
+    **Arguments:**
+
+    - `model`: a causal LM.
+    - `paths`: attribute paths of `Linear` layers.
+    - `input_ids`: calibration tokens.
+
+    **Returns:**
+
+    One float32 `[in_features, in_features]` matrix per path (with the layer's leading
+    dimensions).
+    """
+    layers = [get_path(model, p) for p in paths]
+    zeros = [
+        jnp.zeros((*layer.weight.shape[:-1], layer.weight.shape[-2]), jnp.float32)
+        for layer in layers
+    ]
+
+    @jax.jit
+    @jax.grad
+    def grams(zeros):
+        probes = [_GramProbe(layer, z) for layer, z in zip(layers, zeros)]
+        probed = eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, probes)
+        return jnp.sum(probed(input_ids).logits.astype(jnp.float32))
+
+    return grams(zeros)
+
+
+@eqx.filter_jit
+def gptq_round(
+    weight: Float[Array, "*layers in_features out_features"],
+    gram: Float[Array, "*layers in_features in_features"],
+    scales: Float[Array, "*layers in_features out_features"],
+    fake_quantize: Callable[[Array, Array], Array],
+) -> Float[Array, "*layers in_features out_features"]:
+    """Rounds one input row of `weight` at a time, most active inputs first, and spreads
+    each row's rounding error over the rows not yet rounded, so that `x @ weight` changes
+    least on inputs whose second moments are `gram`.
+
+    **Arguments:**
+
+    - `weight`: the float weight (leading dimensions are rounded independently).
+    - `gram`: `Σ xᵀx` of the layer's calibration inputs. Inputs never seen (a zero
+        diagonal) are rounded to nearest.
+    - `scales`: the scale of every weight, fixed before rounding.
+    - `fake_quantize`: `(values, scales) -> the nearest representable values`.
+
+    **Returns:**
+
+    The rounded weight, float32: every entry is `fake_quantize` of something, so
+    quantizing it again against `scales` gives it back exactly.
+    """
+    *_, n_in, n_out = weight.shape
+
+    def one(weight, gram, scales):
+        diagonal = jnp.diagonal(gram)
+        gram = gram + jnp.diag(jnp.where(diagonal == 0, 1.0, 0.0))
+        order = jnp.argsort(-jnp.diagonal(gram))
+        hessian = gram[order][:, order]
+        hessian = hessian + GPTQ_DAMPING * jnp.mean(jnp.diagonal(hessian)) * jnp.eye(n_in)
+        # Upper Cholesky factor of the inverse Hessian: row i says how the error of
+        # input i moves the inputs after it.
+        factor = jnp.linalg.cholesky(jnp.linalg.inv(hessian)).T
+        scales = scales[order]
+        later = jnp.arange(n_in)[:, None]
+
+        def round_row(i, carry):
+            w, rounded = carry
+            q = fake_quantize(w[i], scales[i])
+            error = (w[i] - q) / factor[i, i]
+            w = w - jnp.where(later > i, factor[i][:, None] * error[None, :], 0.0)
+            return w, rounded.at[i].set(q)
+
+        start = (weight[order], jnp.zeros(weight.shape, jnp.float32))
+        _, rounded = jax.lax.fori_loop(0, n_in, round_row, start)
+        return rounded[jnp.argsort(order)]
+
+    flat = jax.vmap(one)(
+        weight.reshape(-1, n_in, n_out).astype(jnp.float32),
+        gram.reshape(-1, n_in, n_in),
+        scales.reshape(-1, n_in, n_out).astype(jnp.float32),
+    )
+    return flat.reshape(weight.shape)
