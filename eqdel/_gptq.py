@@ -63,20 +63,24 @@ def input_grams(
     One float32 `[in_features, in_features]` matrix per path (with the layer's leading
     dimensions).
     """
-    layers = [get_path(model, p) for p in paths]
     zeros = [
-        jnp.zeros((*layer.weight.shape[:-1], layer.weight.shape[-2]), jnp.float32)
-        for layer in layers
+        jnp.zeros((*w.shape[:-1], w.shape[-2]), jnp.float32)
+        for w in (get_path(model, p).weight for p in paths)
     ]
+    return _grams(model, paths, zeros, input_ids)
 
-    @jax.jit
-    @jax.grad
-    def grams(zeros):
-        probes = [_GramProbe(layer, z) for layer, z in zip(layers, zeros)]
+
+@eqx.filter_jit
+def _grams(model, paths, zeros, input_ids):
+    """The model is an argument, not a closure, so its weights are not baked into the
+    compiled program as constants."""
+
+    def total(zeros):
+        probes = [_GramProbe(get_path(model, p), z) for p, z in zip(paths, zeros)]
         probed = eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, probes)
         return jnp.sum(probed(input_ids).logits.astype(jnp.float32))
 
-    return grams(zeros)
+    return jax.grad(total)(zeros)
 
 
 @eqx.filter_jit
