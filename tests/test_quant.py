@@ -169,7 +169,11 @@ def test_quantized_models_shard_generate_and_dequantize(trained, bits):
     sharded = eqdel.shard(quantized, cfg)
     codes = sharded.model.layers.self_attn.q_proj.codes
     assert codes.sharding.spec == jax.sharding.PartitionSpec(None, ("fsdp", "sp"), "tp")
-    np.testing.assert_allclose(forward(sharded), forward(quantized), atol=1e-5, rtol=0)
+    want = forward(quantized)
+    # Sums over devices round in another order; this trained model's logits reach about
+    # 8, where float32's spacing is 1e-6, so the bound is a few ulps of the largest logit.
+    scale = float(jnp.abs(want).max())
+    np.testing.assert_allclose(forward(sharded), want, atol=2e-6 * scale, rtol=0)
     np.testing.assert_array_equal(forward(eqdel.dequantize(quantized)), forward(quantized))
     tokens = eqdel.generate(sharded, ids[:, :5], max_new_tokens=6)
     np.testing.assert_array_equal(tokens, eqdel.generate(quantized, ids[:, :5], max_new_tokens=6))

@@ -1,6 +1,7 @@
 """Loss, train steps, gradient accumulation, frozen leaves and non-finite handling."""
 
 import contextlib
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from hf_reference import make_hf_model, random_ids
 from tiny import TINY_LLAMA
 
 import eqdel
-from eqdel.models import LlamaForCausalLM
+from eqdel.models import GemmaConfig, LlamaForCausalLM
 from eqdel.train import (
     IGNORE_INDEX,
     NonFiniteError,
@@ -63,6 +64,55 @@ def test_chunk_size_does_not_change_loss_or_gradients(getkey):
     big = eqx.filter_value_and_grad(lambda m: mean_loss(m, 1024))(model)
     small = eqx.filter_value_and_grad(lambda m: mean_loss(m, 5))(model)
     for a, b in zip(jax.tree.leaves(big), jax.tree.leaves(small)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def _loss_from_full_logits(model, batch):
+    """The masked mean cross-entropy from `model(...).logits`, differentiated by JAX."""
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    logits = model(ids, attention_mask=mask).logits[:, :-1]
+    weights = (mask[:, 1:] == 1) & (labels[:, 1:] != IGNORE_INDEX)
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.where(weights, labels[:, 1:], 0)
+    )
+    weights = weights.astype(jnp.float32)
+    return jnp.sum(losses * weights) / jnp.sum(weights)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        CONFIG,
+        dataclasses.replace(CONFIG, tie_word_embeddings=True),
+        GemmaConfig(
+            **{
+                **dataclasses.asdict(CONFIG),
+                "model_type": "gemma2",
+                "head_dim": 8,
+                "tie_word_embeddings": True,
+            },
+            final_logit_softcapping=3.0,
+        ),
+    ],
+    ids=["untied", "tied", "soft-capped"],
+)
+def test_loss_gradients_equal_autodiff_of_the_full_logits(config, getkey):
+    model = eqdel.models.MODEL_TYPES[config.model_type](config, key=getkey())
+    ids = random_ids(3, 11, vocab=64, seed=4)
+    mask = np.ones_like(ids)
+    mask[2, 6:] = 0
+    labels = np.where(mask == 1, ids, IGNORE_INDEX)
+    labels[0, :4] = IGNORE_INDEX
+    batch = batch_of(ids, attention_mask=mask, labels=labels)
+
+    def fused(model):
+        loss_sum, count = causal_lm_loss(model, batch, chunk_size=7)  # 30 tokens: 5 chunks
+        return loss_sum / count
+
+    want = eqx.filter_value_and_grad(_loss_from_full_logits)(model, batch)
+    got = eqx.filter_value_and_grad(fused)(model)
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 

@@ -1,5 +1,6 @@
 """Causal language-model cross-entropy, computed in token chunks."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -10,11 +11,94 @@ IGNORE_INDEX = -100
 """Label value excluded from the loss, as in transformers."""
 
 
-def _chunk_loss(head, h, labels, weights):
-    logits = head(h).astype(jnp.float32)
+def _chunks(hidden, labels, weights, chunk_size: int):
+    """Pad to a multiple of `chunk_size` tokens (with zero weight) and split into
+    `[chunks, chunk_size, ...]`."""
+    tokens = hidden.shape[0]
+    chunks = -(-tokens // chunk_size)
+    pad = chunks * chunk_size - tokens
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+    labels = jnp.pad(labels, (0, pad))
+    weights = jnp.pad(weights, (0, pad))
+    return (
+        hidden.reshape(chunks, chunk_size, -1),
+        labels.reshape(chunks, chunk_size),
+        weights.reshape(chunks, chunk_size),
+    )
+
+
+def _log_z_and_picked(logits, labels):
+    logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
-    return jnp.sum((log_z - picked) * weights)
+    return logits, log_z, picked
+
+
+def _leaves_read(fn, tree):
+    """Whether `fn(tree)` reads each leaf of `tree`: a pytree of bools like `tree`
+    (`False` for every leaf that is not an array)."""
+    arrays, rest = eqx.partition(tree, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    closed = jax.make_jaxpr(lambda leaves: fn(eqx.combine(treedef.unflatten(leaves), rest)))
+    jaxpr = closed(leaves).jaxpr
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    flags = iter([id(v) in read for v in jaxpr.invars])
+    return jax.tree.map(lambda x: eqx.is_array(x) and next(flags), tree)
+
+
+@eqx.filter_custom_vjp
+def _fused_cross_entropy(head_and_hidden, labels, weights, chunk_size):
+    head, hidden = head_and_hidden
+
+    def chunk_loss(args):
+        h, y, w = args
+        _, log_z, picked = _log_z_and_picked(head(h), y)
+        return jnp.sum((log_z - picked) * w)
+
+    return jnp.sum(jax.lax.map(chunk_loss, _chunks(hidden, labels, weights, chunk_size)))
+
+
+@_fused_cross_entropy.def_fwd
+def _fused_cross_entropy_fwd(perturbed, head_and_hidden, labels, weights, chunk_size):
+    """The loss and its gradient in one pass over the chunks: each chunk's logits are
+    made once, turned into `weights * (softmax - onehot)` and pulled back through the
+    head, so the backward pass has no matmul of its own left to do."""
+    head, hidden = head_and_hidden
+    head_perturbed, _ = perturbed
+    # A bound method's pytree is its whole module; carrying gradients only for the
+    # leaves the head reads keeps the decoder's parameters out of the chunk loop.
+    read = _leaves_read(lambda head: head(hidden[:1]), head)
+    diff = jax.tree.map(lambda perturbed, read: perturbed and read, head_perturbed, read)
+    diff_head, static_head = eqx.partition(head, diff)
+    tokens = hidden.shape[0]
+
+    def chunk(grad_head, args):
+        h, y, w = args
+        out, pull_back = jax.vjp(lambda d, h: eqx.combine(d, static_head)(h), diff_head, h)
+        logits, log_z, picked = _log_z_and_picked(out, y)
+        probs = jnp.exp(logits - log_z[:, None])
+        onehot = jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
+        grad_head_chunk, grad_h = pull_back(((probs - onehot) * w[:, None]).astype(out.dtype))
+        grad_head = jax.tree.map(jnp.add, grad_head, grad_head_chunk)
+        return grad_head, (jnp.sum((log_z - picked) * w), grad_h)
+
+    zero = jax.tree.map(jnp.zeros_like, diff_head)
+    grad_head, (sums, grad_hidden) = jax.lax.scan(
+        chunk, zero, _chunks(hidden, labels, weights, chunk_size)
+    )
+    grad_hidden = grad_hidden.reshape(-1, hidden.shape[-1])[:tokens]
+    return jnp.sum(sums), (grad_head, grad_hidden)
+
+
+@_fused_cross_entropy.def_bwd
+def _fused_cross_entropy_bwd(
+    residuals, grad_loss, perturbed, head_and_hidden, labels, weights, chunk_size
+):
+    grad_head, grad_hidden = residuals
+    _, hidden_perturbed = perturbed
+    scaled_head = jax.tree.map(lambda g: g * grad_loss.astype(g.dtype), grad_head)
+    scaled_hidden = grad_hidden * grad_loss.astype(grad_hidden.dtype) if hidden_perturbed else None
+    return scaled_head, scaled_hidden
 
 
 def chunked_cross_entropy(
@@ -26,12 +110,17 @@ def chunked_cross_entropy(
     chunk_size: int = 1024,
 ) -> Float[Array, ""]:
     """Summed, weighted cross-entropy of `head(hidden)` against `labels`, without holding
-    float32 logits for more than `chunk_size` tokens at once (forward or backward: each
-    chunk's logits are recomputed in the backward pass).
+    float32 logits for more than `chunk_size` tokens at once.
+
+    Under differentiation the gradient is computed in the same pass as the loss: each
+    chunk's logits are made once and pulled straight back through `head`, which saves
+    the head matmul that recomputing them in the backward pass would cost. Only
+    reverse-mode differentiation is defined.
 
     **Arguments:**
 
-    - `head`: maps `[n, embed]` hidden states to `[n, vocab]` logits.
+    - `head`: an `equinox.Module` mapping `[n, embed]` hidden states to `[n, vocab]`
+        logits; gradients reach its floating-point leaves.
     - `hidden`, `labels`, `weights`: one entry per predicted token.
     - `chunk_size`: tokens per chunk.
 
@@ -39,22 +128,7 @@ def chunked_cross_entropy(
 
     `sum(weights * -log p(labels))`.
     """
-    tokens = hidden.shape[0]
-    chunks = -(-tokens // chunk_size)
-    pad = chunks * chunk_size - tokens
-    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
-    labels = jnp.pad(labels, (0, pad))
-    weights = jnp.pad(weights, (0, pad))
-    per_chunk = jax.checkpoint(lambda args: _chunk_loss(head, *args))
-    sums = jax.lax.map(
-        per_chunk,
-        (
-            hidden.reshape(chunks, chunk_size, -1),
-            labels.reshape(chunks, chunk_size),
-            weights.reshape(chunks, chunk_size),
-        ),
-    )
-    return jnp.sum(sums)
+    return _fused_cross_entropy((head, hidden), labels, weights, chunk_size)
 
 
 def causal_lm_loss(
