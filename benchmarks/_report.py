@@ -2,6 +2,8 @@
 
 import json
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import jax
@@ -28,6 +30,27 @@ def machine() -> dict:
         "jax": jax.__version__,
         "backend": jax.default_backend(),
     }
+
+
+def interleaved_times(fns: dict, steps: int) -> dict[str, list[float]]:
+    """The seconds of each call of each function over `steps` rounds that call every
+    function once in turn, after two warm-up rounds: a machine whose speed drifts during
+    the run slows all of them alike instead of whichever runs last."""
+    for _ in range(2):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved_medians(fns: dict, steps: int) -> dict[str, float]:
+    """The median of [`interleaved_times`][]' calls for each function."""
+    return {name: statistics.median(t) for name, t in interleaved_times(fns, steps).items()}
 
 
 def write(name: str, results: dict, tables: list[tuple[str, list[str], list[list]]]) -> Path:

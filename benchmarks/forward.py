@@ -5,7 +5,6 @@ time against depth with scan over layers on and off.
 """
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -15,19 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from _report import LLAMA_SIZES, write
+from _report import LLAMA_SIZES, interleaved_medians, write
 
 import eqdel
-
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def throughput(batch: int, seq: int, vocab: int, repeats: int) -> dict:
@@ -41,14 +30,16 @@ def throughput(batch: int, seq: int, vocab: int, repeats: int) -> dict:
 
     forward = jax.jit(lambda m, i: m(i).logits)
     jax_ids = jnp.asarray(ids)
-    eqdel_s = _time(lambda: forward(model, jax_ids).block_until_ready(), repeats)
     torch_ids = torch.tensor(ids)
 
     def hf_forward():
         with torch.no_grad():
             hf_model(torch_ids)
 
-    hf_s = _time(hf_forward, repeats)
+    seconds = interleaved_medians(
+        {"eqdel": lambda: forward(model, jax_ids).block_until_ready(), "hf": hf_forward}, repeats
+    )
+    eqdel_s, hf_s = seconds["eqdel"], seconds["hf"]
     with torch.no_grad():
         difference = float(
             np.abs(np.asarray(forward(model, jax_ids)) - hf_model(torch_ids).logits.numpy()).max()

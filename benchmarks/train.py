@@ -6,9 +6,7 @@ matmul peak measured in the same run.
 """
 
 import argparse
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -16,32 +14,26 @@ import numpy as np
 import optax
 import torch
 import transformers
-from _report import LLAMA_SIZES, write
+from _report import LLAMA_SIZES, interleaved_medians, interleaved_times, write
 
 import eqdel
 from eqdel.train import causal_lm_loss, init_train_state, make_train_step
-
-
-def _median_seconds(fn, steps: int) -> float:
-    fn()  # compile / warm up
-    fn()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def matmul_peak(size: int = 2048, repeats: int = 10) -> dict:
     """The best float32 matmul rate XLA and torch reach on this machine."""
     a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
     matmul = jax.jit(lambda a: a @ a)
-    xla_s = min(_median_seconds(lambda: matmul(a).block_until_ready(), 1) for _ in range(repeats))
     t = torch.randn(size, size)
-    torch_s = min(_median_seconds(lambda: t @ t, 1) for _ in range(repeats))
+    times = interleaved_times(
+        {"xla": lambda: matmul(a).block_until_ready(), "torch": lambda: t @ t}, repeats
+    )
     flops = 2 * size**3
-    return {"size": size, "xla_flops_per_s": flops / xla_s, "torch_flops_per_s": flops / torch_s}
+    return {
+        "size": size,
+        "xla_flops_per_s": flops / min(times["xla"]),
+        "torch_flops_per_s": flops / min(times["torch"]),
+    }
 
 
 def model_flops_per_token(sizes: dict, seq: int) -> float:
@@ -68,33 +60,35 @@ def throughput(batch: int, seq: int, vocab: int, steps: int, peak: float) -> dic
         }
 
     batch_arrays = {"input_ids": jnp.asarray(ids, jnp.int32)}
-    eqdel_s, eqdel_first_loss = {}, None
+    steps_by_name, first_losses = {}, {}
     for scan, model in models.items():
+        name = "scan" if scan else "unrolled"
         optimizer = optax.adamw(1e-4)
-        state = init_train_state(model, optimizer, jax.random.key(0))
         step = make_train_step(causal_lm_loss, optimizer)
+        holder = [init_train_state(model, optimizer, jax.random.key(0))]
 
-        def eqdel_step(step=step):
-            nonlocal state
-            state, metrics = step(state, batch_arrays)
+        def eqdel_step(step=step, holder=holder):
+            holder[0], metrics = step(holder[0], batch_arrays)
             return float(metrics["loss"])
 
-        eqdel_first_loss = eqdel_step()
-        eqdel_s["scan" if scan else "unrolled"] = _median_seconds(eqdel_step, steps)
+        first_losses[name] = eqdel_step()
+        steps_by_name[name] = eqdel_step
 
     hf_model.train()
     torch_optimizer = torch.optim.AdamW(hf_model.parameters(), lr=1e-4)
     torch_ids = torch.tensor(ids)
-    torch_losses = []
 
     def torch_step():
         loss = hf_model(torch_ids, labels=torch_ids).loss
         loss.backward()
         torch_optimizer.step()
         torch_optimizer.zero_grad(set_to_none=True)
-        torch_losses.append(loss.item())
+        return loss.item()
 
-    torch_s = _median_seconds(torch_step, steps)
+    first_losses["torch"] = torch_step()
+    seconds = interleaved_medians({**steps_by_name, "torch": torch_step}, steps)
+    torch_s = seconds.pop("torch")
+    eqdel_s = seconds
     tokens = batch * seq
     best = min(eqdel_s.values())
     achieved = model_flops_per_token(sizes, seq) * tokens / best
@@ -108,8 +102,8 @@ def throughput(batch: int, seq: int, vocab: int, steps: int, peak: float) -> dic
         "best_speedup": torch_s / best,
         "eqdel_best_model_flops_per_s": achieved,
         "mfu_vs_xla_matmul_peak": achieved / peak,
-        "first_loss_eqdel": eqdel_first_loss,
-        "first_loss_torch": torch_losses[0],
+        "first_loss_eqdel": first_losses["unrolled"],
+        "first_loss_torch": first_losses["torch"],
         "torch_threads": torch.get_num_threads(),
         "transformers_attention": hf_model.config._attn_implementation,
     }
