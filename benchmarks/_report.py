@@ -1,6 +1,7 @@
 """Writing benchmark results as JSON and markdown side by side."""
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -21,14 +22,13 @@ LLAMA_SIZES = dict(
 
 
 def machine() -> dict:
-    import os
-
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
     }
 
 

@@ -9,12 +9,14 @@ a run is timed only when it fits comfortably in this machine's memory.
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from _report import write
 
+from eqdel._host_memory import rerun_with_huge_pages
 from eqdel.attention import AttentionMask, chunked_attention, vanilla_attention
 
 KERNELS = {"vanilla": vanilla_attention, "chunked": chunked_attention}
@@ -101,4 +103,5 @@ def main():
 
 
 if __name__ == "__main__":
+    rerun_with_huge_pages(sys.argv)
     main()

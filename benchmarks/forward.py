@@ -5,6 +5,7 @@ time against depth with scan over layers on and off.
 """
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import transformers
 from _report import LLAMA_SIZES, interleaved_medians, write
 
 import eqdel
+from eqdel._host_memory import rerun_with_huge_pages
 
 
 def throughput(batch: int, seq: int, vocab: int, repeats: int) -> dict:
@@ -130,5 +132,6 @@ def main():
 
 
 if __name__ == "__main__":
+    rerun_with_huge_pages(sys.argv)
     Path(__file__).parent.joinpath("results").mkdir(exist_ok=True)
     main()

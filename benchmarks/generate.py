@@ -5,6 +5,7 @@ generate on the same random-weight Llama, and the cache memory of each.
 """
 
 import argparse
+import sys
 import tempfile
 import time
 
@@ -15,6 +16,7 @@ import transformers
 from _report import LLAMA_SIZES, write
 
 import eqdel
+from eqdel._host_memory import rerun_with_huge_pages
 
 SIZES = {**LLAMA_SIZES, "vocab_size": 4096}
 
@@ -99,4 +101,5 @@ def main():
 
 
 if __name__ == "__main__":
+    rerun_with_huge_pages(sys.argv)
     main()

@@ -6,6 +6,7 @@ in one run.
 """
 
 import argparse
+import sys
 import time
 
 import equinox as eqx
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from _report import LLAMA_SIZES, write
 
 import eqdel
+from eqdel._host_memory import rerun_with_huge_pages
 from eqdel.models import LlamaConfig, LlamaForCausalLM
 
 SIZES = {**LLAMA_SIZES, "vocab_size": 4096}
@@ -116,4 +118,5 @@ def main():
 
 
 if __name__ == "__main__":
+    rerun_with_huge_pages(sys.argv)
     main()

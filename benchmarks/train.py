@@ -6,6 +6,7 @@ matmul peak measured in the same run.
 """
 
 import argparse
+import sys
 import tempfile
 
 import jax
@@ -17,6 +18,7 @@ import transformers
 from _report import LLAMA_SIZES, interleaved_medians, interleaved_times, write
 
 import eqdel
+from eqdel._host_memory import rerun_with_huge_pages
 from eqdel.train import causal_lm_loss, init_train_state, make_train_step
 
 
@@ -160,4 +162,5 @@ def main():
 
 
 if __name__ == "__main__":
+    rerun_with_huge_pages(sys.argv)
     main()

@@ -3,6 +3,7 @@
 import argparse
 import sys
 
+from ._host_memory import rerun_with_huge_pages
 from ._version import __version__
 
 
@@ -207,5 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def console_main() -> int:
+    """The `eqdel` command: `main` on `sys.argv`, re-run first with huge pages for
+    large host allocations where the system has them (`EQDEL_HUGE_PAGES=0`: never)."""
+    rerun_with_huge_pages(["-m", "eqdel._cli", *sys.argv[1:]])
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
