@@ -22,6 +22,7 @@ from eqdel.train import (
     IGNORE_INDEX,
     NonFiniteError,
     causal_lm_loss,
+    chunked_cross_entropy,
     init_train_state,
     make_train_step,
 )
@@ -114,6 +115,25 @@ def test_loss_gradients_equal_autodiff_of_the_full_logits(config, getkey):
     np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1]), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_a_closure_head_gets_its_gradient():
+    weight = jax.random.normal(jax.random.key(0), (8, 16))
+    hidden = jax.random.normal(jax.random.key(1), (5, 8))
+    labels, weights = jnp.arange(5), jnp.array([1.0, 1.0, 0.0, 1.0, 1.0])
+
+    def fused(weight, hidden):
+        head = lambda x: x @ weight  # noqa: E731
+        return chunked_cross_entropy(head, hidden, labels, weights, chunk_size=2)
+
+    def full(weight, hidden):
+        log_p = jax.nn.log_softmax(hidden @ weight)
+        return -jnp.sum(log_p[jnp.arange(5), labels] * weights)
+
+    got = jax.value_and_grad(fused, argnums=(0, 1))(weight, hidden)
+    want = jax.value_and_grad(full, argnums=(0, 1))(weight, hidden)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_gradient_accumulation_equals_one_large_batch(getkey):

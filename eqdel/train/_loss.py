@@ -34,18 +34,6 @@ def _log_z_and_picked(logits, labels):
     return logits, log_z, picked
 
 
-def _leaves_read(fn, tree):
-    """Whether `fn(tree)` reads each leaf of `tree`: a pytree of bools like `tree`
-    (`False` for every leaf that is not an array)."""
-    arrays, rest = eqx.partition(tree, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(arrays)
-    closed = jax.make_jaxpr(lambda leaves: fn(eqx.combine(treedef.unflatten(leaves), rest)))
-    jaxpr = closed(leaves).jaxpr
-    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
-    flags = iter([id(v) in read for v in jaxpr.invars])
-    return jax.tree.map(lambda x: eqx.is_array(x) and next(flags), tree)
-
-
 @eqx.filter_custom_vjp
 def _fused_cross_entropy(head_and_hidden, labels, weights, chunk_size):
     head, hidden = head_and_hidden
@@ -65,11 +53,7 @@ def _fused_cross_entropy_fwd(perturbed, head_and_hidden, labels, weights, chunk_
     head, so the backward pass has no matmul of its own left to do."""
     head, hidden = head_and_hidden
     head_perturbed, _ = perturbed
-    # A bound method's pytree is its whole module; carrying gradients only for the
-    # leaves the head reads keeps the decoder's parameters out of the chunk loop.
-    read = _leaves_read(lambda head: head(hidden[:1]), head)
-    diff = jax.tree.map(lambda perturbed, read: perturbed and read, head_perturbed, read)
-    diff_head, static_head = eqx.partition(head, diff)
+    diff_head, static_head = eqx.partition(head, head_perturbed)
     tokens = hidden.shape[0]
 
     def chunk(grad_head, args):
@@ -119,8 +103,8 @@ def chunked_cross_entropy(
 
     **Arguments:**
 
-    - `head`: an `equinox.Module` mapping `[n, embed]` hidden states to `[n, vocab]`
-        logits; gradients reach its floating-point leaves.
+    - `head`: maps `[n, embed]` hidden states to `[n, vocab]` logits (a module, its
+        method or a closure; gradients reach every array it reads).
     - `hidden`, `labels`, `weights`: one entry per predicted token.
     - `chunk_size`: tokens per chunk.
 
@@ -128,6 +112,10 @@ def chunked_cross_entropy(
 
     `sum(weights * -log p(labels))`.
     """
+    # As a closure-converted function the head's pytree holds exactly the arrays it
+    # reads, closed over or not: a bound method's module would bring the whole model.
+    example = jax.ShapeDtypeStruct((chunk_size, hidden.shape[-1]), hidden.dtype)
+    head = eqx.filter_closure_convert(head, example)
     return _fused_cross_entropy((head, hidden), labels, weights, chunk_size)
 
 
