@@ -49,7 +49,7 @@ def interleaved_times(fns: dict, steps: int) -> dict[str, list[float]]:
 
 
 def interleaved_medians(fns: dict, steps: int) -> dict[str, float]:
-    """The median of [`interleaved_times`][]' calls for each function."""
+    """The median of `interleaved_times`' calls for each function."""
     return {name: statistics.median(t) for name, t in interleaved_times(fns, steps).items()}
 
 

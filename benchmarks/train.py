@@ -49,6 +49,20 @@ def model_flops_per_token(sizes: dict, seq: int) -> float:
     return 6 * matmul_params + 12 * layers * seq * h
 
 
+def _eqdel_stepper(model, batch: dict):
+    """A function that runs one AdamW train step on `batch` and returns its loss."""
+    optimizer = optax.adamw(1e-4)
+    step = make_train_step(causal_lm_loss, optimizer)
+    state = init_train_state(model, optimizer, jax.random.key(0))
+
+    def run_step() -> float:
+        nonlocal state
+        state, metrics = step(state, batch)
+        return float(metrics["loss"])
+
+    return run_step
+
+
 def throughput(batch: int, seq: int, vocab: int, steps: int, peak: float) -> dict:
     torch.manual_seed(0)
     sizes = {**LLAMA_SIZES, "vocab_size": vocab}
@@ -65,16 +79,8 @@ def throughput(batch: int, seq: int, vocab: int, steps: int, peak: float) -> dic
     steps_by_name, first_losses = {}, {}
     for scan, model in models.items():
         name = "scan" if scan else "unrolled"
-        optimizer = optax.adamw(1e-4)
-        step = make_train_step(causal_lm_loss, optimizer)
-        holder = [init_train_state(model, optimizer, jax.random.key(0))]
-
-        def eqdel_step(step=step, holder=holder):
-            holder[0], metrics = step(holder[0], batch_arrays)
-            return float(metrics["loss"])
-
-        first_losses[name] = eqdel_step()
-        steps_by_name[name] = eqdel_step
+        steps_by_name[name] = _eqdel_stepper(model, batch_arrays)
+        first_losses[name] = steps_by_name[name]()
 
     hf_model.train()
     torch_optimizer = torch.optim.AdamW(hf_model.parameters(), lr=1e-4)

@@ -60,6 +60,8 @@ def _fused_cross_entropy_fwd(perturbed, head_and_hidden, labels, weights, chunk_
         h, y, w = args
         out, pull_back = jax.vjp(lambda d, h: eqx.combine(d, static_head)(h), diff_head, h)
         logits, log_z, picked = _log_z_and_picked(out, y)
+        # A second exp, fused into this elementwise pass, is cheaper than keeping the
+        # one inside logsumexp: that would write the chunk's [tokens, vocab] array out.
         probs = jnp.exp(logits - log_z[:, None])
         onehot = jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
         grad_head_chunk, grad_h = pull_back(((probs - onehot) * w[:, None]).astype(out.dtype))
