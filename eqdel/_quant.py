@@ -66,10 +66,11 @@ def per_input(
 
 
 def nf4_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> UInt8[Array, "*shape"]:
-    """The index of the NF4 level nearest to every weight over its (broadcast) scale."""
-    levels = jnp.asarray(NF4_LEVELS, jnp.float32).reshape((1,) * w.ndim + (16,))
-    scaled = (w / _safe(scales))[..., None]
-    return jnp.argmin(jnp.abs(scaled - levels), axis=-1).astype(jnp.uint8)
+    """The index of the NF4 level nearest to every weight over its (broadcast) scale: the
+    number of midpoints between levels below it (the lower level on a tie)."""
+    levels = jnp.asarray(NF4_LEVELS, jnp.float32)
+    midpoints = ((levels[1:] + levels[:-1]) / 2).reshape((1,) * w.ndim + (15,))
+    return jnp.sum((w / _safe(scales))[..., None] > midpoints, axis=-1, dtype=jnp.uint8)
 
 
 def int8_values(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Float[Array, "*shape"]:
@@ -80,6 +81,45 @@ def int8_values(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Float
 def nf4_values(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Float[Array, "*shape"]:
     """The nearest values NF4 codes can hold at these scales."""
     return jnp.asarray(NF4_LEVELS, jnp.float32)[nf4_codes(w, scales)] * scales
+
+
+NF4_SHRINKS = tuple(1.0 - 0.02 * i for i in range(26))
+"""The fractions of a block's absolute maximum tried as its scale: a smaller scale clips
+the block's largest weights but spaces the levels closer for the rest."""
+
+
+@eqx.filter_jit
+def fitted_nf4_scales(
+    w: Float[Array, "*layers in_features out_features"],
+    group_size: int,
+    importance: Float[Array, "*layers in_features"] | None = None,
+) -> Float[Array, "*layers groups out_features"]:
+    """Every block's scale among `NF4_SHRINKS` of its absolute maximum that rounds the
+    block with the least squared error, each input's error weighted by its `importance`
+    (by default all alike).
+
+    **Arguments:**
+
+    - `w`: the float weight.
+    - `group_size`: inputs per block.
+    - `importance`: a non-negative weight per input, e.g. the mean square of its
+        activations.
+
+    **Returns:**
+
+    One scale per block of every output, float32.
+    """
+    *lead, n_in, n_out = w.shape
+    absmax = nf4_scales(w, group_size)
+    weighting = 1.0 if importance is None else importance[..., None]
+
+    def block_errors(shrink):
+        scales = absmax * shrink
+        error = weighting * (w - nf4_values(w, per_input(scales, group_size))) ** 2
+        return error.reshape(*lead, n_in // group_size, group_size, n_out).sum(-2)
+
+    errors = jax.lax.map(block_errors, jnp.asarray(NF4_SHRINKS, jnp.float32))
+    return absmax * jnp.asarray(NF4_SHRINKS, jnp.float32)[jnp.argmin(errors, axis=0)]
 
 
 class Int8Linear(eqx.Module):
@@ -204,7 +244,8 @@ def _quantized(layer: Linear, bits: int, group_size: int, gram: Array | None):
         per_weight = jnp.broadcast_to(scales.astype(jnp.float32)[..., None, :], w.shape)
         nearest, build = int8_values, lambda linear: Int8Linear(linear, scales)
     else:
-        scales = nf4_scales(w, group_size).astype(layer.weight.dtype)
+        importance = None if gram is None else jnp.diagonal(gram, axis1=-2, axis2=-1)
+        scales = fitted_nf4_scales(w, group_size, importance).astype(layer.weight.dtype)
         per_weight = per_input(scales.astype(jnp.float32), group_size)
         nearest, build = nf4_values, lambda linear: NF4Linear(linear, group_size, scales)
     if gram is not None:
@@ -236,7 +277,12 @@ def quantize(
     time, the most active first, and moves each rounding error onto the inputs not yet
     rounded so that the layer's outputs on the calibration activations change least. The
     activations come from one pass of the float model (not layer by layer over the
-    quantized one), and the scales stay the blocks' absolute maxima.
+    quantized one).
+
+    NF4 block scales are fitted before rounding: each is the fraction of its block's
+    absolute maximum (from 1 down to ½) that rounds the block with the least squared
+    error, weighting each input by its calibration activations' mean square when there
+    are any. int8 scales are each output channel's absolute maximum.
 
     **Arguments:**
 

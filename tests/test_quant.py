@@ -14,7 +14,15 @@ from hf_reference import random_ids
 import eqdel
 from eqdel._demo import TINY_LLAMA, corpus_file, train_tokenizer
 from eqdel._gptq import gptq_round, input_grams
-from eqdel._quant import int8_values, nf4_values, per_input
+from eqdel._quant import (
+    NF4_LEVELS,
+    fitted_nf4_scales,
+    int8_values,
+    nf4_codes,
+    nf4_scales,
+    nf4_values,
+    per_input,
+)
 from eqdel.models import LlamaForCausalLM
 from eqdel.nn import Linear
 from eqdel.train import batches, causal_lm_loss, init_train_state, make_train_step, pack, tokenize
@@ -75,6 +83,36 @@ def test_nf4_codes_round_trip_and_take_an_eighth_plus_scales(trained):
     ids = jnp.asarray(random_ids(16, 32, vocab=trained.config.vocab_size, seed=2))
     _, kl = agreement_and_kl(trained, quantized, ids)
     assert kl < 0.05
+
+
+def test_nf4_codes_are_the_nearest_levels():
+    levels = np.asarray(NF4_LEVELS, np.float32)
+    w = jax.random.normal(jax.random.key(0), (300, 70)) * 0.6
+    want = np.abs(np.asarray(w)[..., None] - levels).argmin(-1)
+    np.testing.assert_array_equal(nf4_codes(w, jnp.float32(1.0)), want)
+    np.testing.assert_array_equal(nf4_codes(jnp.asarray(levels), jnp.float32(1.0)), np.arange(16))
+
+
+def block_errors(w, scales, importance, group_size):
+    error = importance[:, None] * (w - nf4_values(w, per_input(scales, group_size))) ** 2
+    return error.reshape(-1, group_size, w.shape[-1]).sum(1)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fitted_nf4_scales_round_every_block_at_least_as_well(weighted):
+    w = jax.random.t(jax.random.key(0), 4.0, (128, 48))  # heavy tails, as trained weights
+    importance = jax.random.exponential(jax.random.key(1), (128,)) if weighted else None
+    fitted = fitted_nf4_scales(w, 16, importance)
+    absmax = nf4_scales(w, 16)
+    assert bool(jnp.all((fitted <= absmax) & (fitted >= 0.5 * absmax - 1e-6)))
+    weights = jnp.ones(128) if importance is None else importance
+    fitted_error = block_errors(w, fitted, weights, 16)
+    absmax_error = block_errors(w, absmax, weights, 16)
+    assert bool(jnp.all(fitted_error <= absmax_error * (1 + 1e-6)))
+    assert float(fitted_error.sum()) < 0.95 * float(absmax_error.sum())
+    if weighted:  # the importance changes the choice, for the better
+        unweighted = block_errors(w, fitted_nf4_scales(w, 16), weights, 16)
+        assert float(fitted_error.sum()) < 0.95 * float(unweighted.sum())
 
 
 @pytest.fixture(scope="module")
