@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import torch
 
 LLAMA_SIZES = dict(
     vocab_size=32000,
@@ -19,6 +21,35 @@ LLAMA_SIZES = dict(
     max_position_embeddings=1024,
 )
 """The random-weight Llama both benchmarks measure."""
+
+
+def forward_flops_per_token(sizes: dict, seq: int) -> float:
+    """2 x the matmul parameters (embedding lookup excluded, head included) plus the
+    attention scores and weighted sums over all `seq` positions, for one forward pass;
+    a train step is 3 x this."""
+    h, m, layers = sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"]
+    head_dim = h // sizes["num_attention_heads"]
+    kv = sizes["num_key_value_heads"] * head_dim
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * m
+    matmul_params = layers * per_layer + h * sizes["vocab_size"]
+    return 2 * matmul_params + 4 * layers * seq * h
+
+
+def matmul_peak(size: int = 2048, repeats: int = 10) -> dict:
+    """The best float32 matmul rate XLA and torch reach on this machine, in alternating
+    rounds."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+    matmul = jax.jit(lambda a: a @ a)
+    t = torch.randn(size, size)
+    times = interleaved_times(
+        {"xla": lambda: matmul(a).block_until_ready(), "torch": lambda: t @ t}, repeats
+    )
+    flops = 2 * size**3
+    return {
+        "size": size,
+        "xla_flops_per_s": flops / min(times["xla"]),
+        "torch_flops_per_s": flops / min(times["torch"]),
+    }
 
 
 def machine() -> dict:

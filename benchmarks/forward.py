@@ -1,5 +1,7 @@
 """Prefill throughput of eqdel vs transformers on the same random-weight Llama, and compile
-time against depth with scan over layers on and off.
+time against depth with scan over layers on and off. Utilisation is model FLOPs against
+a float32 matmul peak measured in the same run; "speedup at 100% MFU" is the speedup over
+transformers of a forward that ran every model FLOP at that peak.
 
     python benchmarks/forward.py [--repeats 10]
 """
@@ -15,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from _report import LLAMA_SIZES, interleaved_medians, write
+from _report import LLAMA_SIZES, forward_flops_per_token, interleaved_medians, matmul_peak, write
 
 import eqdel
 from eqdel._host_memory import rerun_with_huge_pages
 
 
-def throughput(batch: int, seq: int, vocab: int, repeats: int) -> dict:
+def throughput(batch: int, seq: int, vocab: int, repeats: int, peak: float) -> dict:
     torch.manual_seed(0)
     sizes = {**LLAMA_SIZES, "vocab_size": vocab}
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).eval()
@@ -47,6 +49,7 @@ def throughput(batch: int, seq: int, vocab: int, repeats: int) -> dict:
             np.abs(np.asarray(forward(model, jax_ids)) - hf_model(torch_ids).logits.numpy()).max()
         )
     tokens = batch * seq
+    flops = forward_flops_per_token(sizes, seq) * tokens
     return {
         "vocab": vocab,
         "batch": batch,
@@ -54,6 +57,9 @@ def throughput(batch: int, seq: int, vocab: int, repeats: int) -> dict:
         "eqdel_tokens_per_s": tokens / eqdel_s,
         "transformers_tokens_per_s": tokens / hf_s,
         "speedup": hf_s / eqdel_s,
+        "eqdel_mfu_vs_xla_matmul_peak": flops / eqdel_s / peak,
+        "transformers_mfu_vs_xla_matmul_peak": flops / hf_s / peak,
+        "speedup_at_peak": hf_s / (flops / peak),
         "max_abs_logit_difference": difference,
         "torch_threads": torch.get_num_threads(),
         "transformers_attention": hf_model.config._attn_implementation,
@@ -92,26 +98,41 @@ def main():
     )
     args = parser.parse_args()
 
+    peak = matmul_peak()
     speeds = [
-        throughput(args.batch, args.seq, int(v), args.repeats) for v in args.vocabs.split(",")
+        throughput(args.batch, args.seq, int(v), args.repeats, peak["xla_flops_per_s"])
+        for v in args.vocabs.split(",")
     ]
     compiles = compile_times([int(d) for d in args.depths.split(",")], args.seq)
     write(
         "forward",
-        {"sizes": LLAMA_SIZES, "throughput": speeds, "compile": compiles},
+        {"sizes": LLAMA_SIZES, "peak": peak, "throughput": speeds, "compile": compiles},
         [
             (
                 f"Prefill, float32, batch {args.batch} x {args.seq} tokens, "
                 f"hidden {LLAMA_SIZES['hidden_size']}, {LLAMA_SIZES['num_hidden_layers']} layers "
                 f"(transformers: {speeds[0]['transformers_attention']} attention, "
-                f"{speeds[0]['torch_threads']} threads)",
-                ["vocab", "eqdel tokens/s", "transformers tokens/s", "speedup", "max abs diff"],
+                f"{speeds[0]['torch_threads']} threads); float32 matmul peak: XLA "
+                f"{peak['xla_flops_per_s'] / 1e9:.1f} GFLOP/s",
+                [
+                    "vocab",
+                    "eqdel tokens/s",
+                    "transformers tokens/s",
+                    "speedup",
+                    "eqdel MFU",
+                    "transformers MFU",
+                    "speedup at 100% MFU",
+                    "max abs diff",
+                ],
                 [
                     [
                         s["vocab"],
                         f"{s['eqdel_tokens_per_s']:,.0f}",
                         f"{s['transformers_tokens_per_s']:,.0f}",
                         f"{s['speedup']:.2f}x",
+                        f"{100 * s['eqdel_mfu_vs_xla_matmul_peak']:.0f}%",
+                        f"{100 * s['transformers_mfu_vs_xla_matmul_peak']:.0f}%",
+                        f"{s['speedup_at_peak']:.2f}x",
                         f"{s['max_abs_logit_difference']:.1e}",
                     ]
                     for s in speeds

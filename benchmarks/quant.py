@@ -12,20 +12,13 @@ import time
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from _report import LLAMA_SIZES, write
+from _report import LLAMA_SIZES, interleaved_medians, write
 
 import eqdel
 from eqdel._host_memory import rerun_with_huge_pages
 from eqdel.models import LlamaConfig, LlamaForCausalLM
 
 SIZES = {**LLAMA_SIZES, "vocab_size": 4096}
-
-
-def _seconds(fn) -> float:
-    fn()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _bytes(model) -> int:
@@ -37,6 +30,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5, help="alternating rounds of decode")
     parser.add_argument("--group-size", type=int, default=16, help="must divide 688")
     args = parser.parse_args()
 
@@ -61,11 +55,17 @@ def main():
         quantize_s[name] = time.perf_counter() - start
     forward = jax.jit(lambda m: m(ids).logits)
     reference = forward(model)
+    decode_s = interleaved_medians(
+        {
+            name: lambda m=variant: eqdel.generate(
+                m, ids, max_new_tokens=args.new, eos_token_id=[]
+            ).block_until_ready()
+            for name, variant in variants.items()
+        },
+        args.repeats,
+    )
     results = {}
     for name, variant in variants.items():
-        run = lambda m=variant: eqdel.generate(  # noqa: E731
-            m, ids, max_new_tokens=args.new, eos_token_id=[]
-        ).block_until_ready()
         logits = forward(variant)
         log_p, log_q = jax.nn.log_softmax(reference), jax.nn.log_softmax(logits)
         results[name] = {
@@ -76,7 +76,7 @@ def main():
                 for x in jax.tree.leaves(eqx.filter(variant.model.layers, eqx.is_array))
                 if x.ndim >= 3
             ),
-            "tokens_per_s": args.batch * args.new / _seconds(run),
+            "tokens_per_s": args.batch * args.new / decode_s[name],
             "top1_agreement": float(jnp.mean(logits.argmax(-1) == reference.argmax(-1))),
             "kl": float(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))),
         }
