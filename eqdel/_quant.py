@@ -111,6 +111,7 @@ def fitted_nf4_scales(
     """
     *lead, n_in, n_out = w.shape
     absmax = nf4_scales(w, group_size)
+    shrinks = jnp.asarray(NF4_SHRINKS, jnp.float32)
     weighting = 1.0 if importance is None else importance[..., None]
 
     def block_errors(shrink):
@@ -118,8 +119,8 @@ def fitted_nf4_scales(
         error = weighting * (w - nf4_values(w, per_input(scales, group_size))) ** 2
         return error.reshape(*lead, n_in // group_size, group_size, n_out).sum(-2)
 
-    errors = jax.lax.map(block_errors, jnp.asarray(NF4_SHRINKS, jnp.float32))
-    return absmax * jnp.asarray(NF4_SHRINKS, jnp.float32)[jnp.argmin(errors, axis=0)]
+    errors = jax.lax.map(block_errors, shrinks)
+    return absmax * shrinks[jnp.argmin(errors, axis=0)]
 
 
 class Int8Linear(eqx.Module):
