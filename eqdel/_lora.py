@@ -15,6 +15,7 @@ from ._field import field
 from ._paths import get_path, module_paths
 from ._quant import QUANTIZED, dequantized_linear
 from .nn import Linear
+from .nn._linear import matmul
 
 _ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -44,7 +45,7 @@ class LoRALinear(eqx.Module):
 
         The base projection plus the scaled low-rank update.
         """
-        update = (x @ self.lora_A.astype(x.dtype)) @ self.lora_B.astype(x.dtype)
+        update = matmul(matmul(x, self.lora_A.astype(x.dtype)), self.lora_B.astype(x.dtype))
         return self.base(x) + self.scale * update
 
     def merged(self) -> Linear:

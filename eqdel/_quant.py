@@ -11,6 +11,7 @@ from ._field import field
 from ._gptq import gptq_round, input_grams
 from ._paths import get_path, module_paths
 from .nn import Linear
+from .nn._linear import matmul
 
 NF4_LEVELS = (
     -1.0,
@@ -156,7 +157,7 @@ class Int8Linear(eqx.Module):
     def __call__(
         self, x: Float[Array, "*batch in_features"]
     ) -> Float[Array, "*batch out_features"]:
-        y = x @ self.weight(x.dtype)
+        y = matmul(x, self.weight(x.dtype))
         return y if self.bias is None else y + self.bias.astype(y.dtype)
 
 
@@ -208,7 +209,7 @@ class NF4Linear(eqx.Module):
     def __call__(
         self, x: Float[Array, "*batch in_features"]
     ) -> Float[Array, "*batch out_features"]:
-        y = x @ self.weight(x.dtype)
+        y = matmul(x, self.weight(x.dtype))
         return y if self.bias is None else y + self.bias.astype(y.dtype)
 
 

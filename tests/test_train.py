@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from tiny import TINY_LLAMA
 
 import eqdel
 from eqdel.models import GemmaConfig, LlamaForCausalLM
+from eqdel.nn import Linear
 from eqdel.train import (
     IGNORE_INDEX,
     NonFiniteError,
@@ -134,6 +136,34 @@ def test_a_closure_head_gets_its_gradient():
     want = jax.value_and_grad(full, argnums=(0, 1))(weight, hidden)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def copies_and_transposes(fn, *args) -> int:
+    """How many copy or transpose instructions XLA compiled into `fn`."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    return len(re.findall(r"= \S+ (?:copy|transpose)\(", hlo))
+
+
+def test_linear_backward_on_cpu_copies_no_operand(getkey):
+    """The weight gradient of a linear layer over `[batch, seq]` tokens contracts one
+    flattened token dimension: contracting two, XLA's CPU backend copies both operands
+    into transposed layouts first."""
+    linear = Linear(64, 96, axes=(None, None), key=getkey())
+    x = jax.random.normal(getkey(), (4, 32, 64))
+
+    def grads(weight, x, call):
+        return jax.grad(lambda w, x: jnp.sum(jnp.sin(call(w, x))), argnums=(0, 1))(weight, x)
+
+    def through_layer(weight, x):
+        return grads(weight, x, lambda w, x: eqx.tree_at(lambda m: m.weight, linear, w)(x))
+
+    def contracting_two(weight, x):
+        return grads(weight, x, lambda w, x: x @ w)
+
+    assert copies_and_transposes(contracting_two, linear.weight, x) > 0
+    assert copies_and_transposes(through_layer, linear.weight, x) == 0
+    for got, want in zip(through_layer(linear.weight, x), contracting_two(linear.weight, x)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_gradient_accumulation_equals_one_large_batch(getkey):

@@ -7,6 +7,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
 from .._field import field
+from ._linear import matmul
 
 
 class Embedding(eqx.Module):
@@ -55,4 +56,4 @@ class Embedding(eqx.Module):
 
         `x @ weight.T`.
         """
-        return x @ self.weight.T
+        return matmul(x, self.weight.T)
