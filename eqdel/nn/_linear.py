@@ -18,9 +18,9 @@ def matmul(
     Flattened, the weight's gradient is one matmul contracting a single dimension of
     tokens. Contracting `[batch, seq]` as two dimensions, XLA's CPU backend first copies
     both operands into transposed layouts, which makes a linear layer's forward and
-    backward pass nearly twice as slow. Accelerator backends contract either form without
-    copies, and there the three-dimensional form partitions over a mesh with fewer
-    collectives, so it is kept.
+    backward pass nearly twice as slow. Other backends keep `x @ weight` as written: on a
+    mesh that shards both `batch` and `seq`, the flattened form partitions with more
+    collectives.
 
     **Arguments:**
 
