@@ -1,8 +1,9 @@
 """eqdel: large language models in JAX as immutable Equinox modules, sharded by the
 semantic axes every array declares."""
 
-from . import axes as axes, models as models, nn as nn, train as train
+from . import axes as axes, evaluate as evaluate, models as models, nn as nn, train as train
 from ._cache import KVCache as KVCache, KVLayer as KVLayer
+from ._chat import ChatTemplate as ChatTemplate, load_chat_template as load_chat_template
 from ._explain import explain_sharding as explain_sharding
 from ._field import field as field
 from ._finetune import (
@@ -29,5 +30,6 @@ from ._quant import (
     quantize as quantize,
 )
 from ._sharding_config import ShardingConfig as ShardingConfig
+from ._tokenizer import load_tokenizer as load_tokenizer
 from ._version import __version__ as __version__
 from .checkpoint import from_pretrained as from_pretrained, save_pretrained as save_pretrained

@@ -76,29 +76,30 @@ def _finetune(args) -> int:
     return 0
 
 
-def _generate(args) -> int:
+def _load(path: str, **kwargs):
+    """A model with its tokenizer and generation defaults, from a checkpoint directory
+    or a GGUF file."""
     import dataclasses
     from pathlib import Path
 
-    import jax
-    import jax.numpy as jnp
-    from tokenizers import Tokenizer
-
-    from ._generation import stream_generate
     from ._generation_config import GenerationConfig
+    from ._tokenizer import load_tokenizer
     from .checkpoint import from_pretrained
+    from .checkpoint._gguf import is_gguf
 
-    path = Path(args.model_dir)
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ValueError(f"{path}: no tokenizer.json to encode the prompt with.")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    model = from_pretrained(path, progress=False, quantize_kv_cache=args.int8_cache)
-    defaults = GenerationConfig.from_pretrained(path)
-    if not defaults.eos_token_id:
-        defaults = dataclasses.replace(defaults, eos_token_id=model.config.eos_token_id)
-    if defaults.pad_token_id is None:
-        defaults = dataclasses.replace(defaults, pad_token_id=model.config.pad_token_id)
+    path = Path(path)
+    tokenizer = load_tokenizer(path)
+    model = from_pretrained(path, progress=False, **kwargs)
+    defaults = GenerationConfig.from_model_config(model.config)
+    if not is_gguf(path):
+        saved = GenerationConfig.from_pretrained(path)
+        pad = defaults.pad_token_id if saved.pad_token_id is None else saved.pad_token_id
+        eos = saved.eos_token_id or defaults.eos_token_id
+        defaults = dataclasses.replace(saved, eos_token_id=eos, pad_token_id=pad)
+    return model, tokenizer, defaults
+
+
+def _sampling_overrides(args) -> dict:
     overrides = {
         name: getattr(args, name)
         for name in (
@@ -113,19 +114,118 @@ def _generate(args) -> int:
     }
     if args.temperature is not None:
         overrides["do_sample"] = args.temperature > 0
-    tokens = tokenizer.encode(args.prompt).ids
-    ids = jnp.asarray([tokens], jnp.int32)
-    shown = tokenizer.decode(tokens)
-    print(shown, end="", flush=True)
+    return overrides
+
+
+def _stream(model, tokenizer, prompt: list[int], key, defaults, overrides) -> list[int]:
+    """Generate after `prompt`, printing the text after the prompt's as it comes (a
+    character split across tokens waits for its last byte); returns the new tokens."""
+    import jax.numpy as jnp
+
+    from ._generation import stream_generate
+
+    tokens, shown = list(prompt), tokenizer.decode(prompt)
     for step in stream_generate(
-        model, ids, key=jax.random.key(args.seed), generation_config=defaults, **overrides
+        model, jnp.asarray([prompt], jnp.int32), key=key, generation_config=defaults, **overrides
     ):
         tokens.append(int(step[0]))
         text = tokenizer.decode(tokens)
-        print(text[len(shown) :], end="", flush=True)
-        shown = text
-    print()
+        if not text.endswith("\ufffd"):
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+    print(tokenizer.decode(tokens)[len(shown) :])
+    return tokens[len(prompt) :]
+
+
+def _generate(args) -> int:
+    import jax
+
+    model, tokenizer, defaults = _load(args.model, quantize_kv_cache=args.int8_cache)
+    tokens = tokenizer.encode(args.prompt).ids
+    if not tokens:
+        raise ValueError("the prompt is empty; give some text to continue.")
+    print(tokenizer.decode(tokens), end="", flush=True)
+    key = jax.random.key(args.seed)
+    _stream(model, tokenizer, tokens, key, defaults, _sampling_overrides(args))
     return 0
+
+
+def _chat(args) -> int:
+    import jax
+
+    from ._chat import load_chat_template
+
+    model, tokenizer, defaults = _load(args.model, quantize_kv_cache=args.int8_cache)
+    template = load_chat_template(args.model)
+    overrides = _sampling_overrides(args)
+    messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+    key = jax.random.key(args.seed)
+    print("eqdel chat: type a message; Ctrl-D ends the conversation.", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not text.strip():
+            continue
+        messages.append({"role": "user", "content": text})
+        key, sub = jax.random.split(key)
+        reply = _stream(
+            model, tokenizer, template.encode(tokenizer, messages), sub, defaults, overrides
+        )
+        messages.append({"role": "assistant", "content": tokenizer.decode(reply)})
+
+
+def _perplexity(args) -> int:
+    from pathlib import Path
+
+    from ._demo import perplexity_text_file
+    from ._tokenizer import load_tokenizer
+    from .checkpoint import from_pretrained
+    from .evaluate import perplexity
+
+    text_file = Path(args.text) if args.text else perplexity_text_file()
+    tokenizer = load_tokenizer(args.model)
+    model = from_pretrained(args.model, dtype=args.dtype, progress=False)
+    ids = tokenizer.encode(text_file.read_text()).ids
+    result = perplexity(model, ids, window=args.window, stride=args.stride)
+    print(
+        f"perplexity {result.perplexity:.4f} (nll {result.nll:.5f} nats/token) over "
+        f"{result.tokens} tokens of {text_file.name}, window {result.window}, "
+        f"stride {result.stride}"
+    )
+    return 0
+
+
+def _convert(args) -> int:
+    from ._chat import load_chat_template
+    from ._tokenizer import load_tokenizer
+    from .checkpoint import CheckpointError, from_pretrained, save_pretrained
+
+    model = from_pretrained(args.model, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    try:
+        template = load_chat_template(args.model)
+    except CheckpointError:
+        template = None
+    out = save_pretrained(model, args.output, tokenizer=tokenizer, chat_template=template)
+    print(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
+    return 0
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens=None) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=None, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--int8-cache", action="store_true", help="int8 KV cache")
 
 
 def _add_mesh_arguments(parser: argparse.ArgumentParser, default_devices: int | None) -> None:
@@ -151,24 +251,47 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_mesh.set_defaults(run=_inspect_mesh)
 
     generate = commands.add_parser(
-        "generate", help="generate text from a checkpoint with its tokenizer.json"
+        "generate", help="continue a prompt with a checkpoint directory or GGUF file"
     )
-    generate.add_argument("model_dir", help="Hugging Face checkpoint directory")
+    generate.add_argument("model", help="checkpoint directory (with tokenizer.json) or .gguf")
     generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-new-tokens", type=int, default=None)
-    generate.add_argument("--temperature", type=float, default=None, help="0: greedy")
-    generate.add_argument("--top-k", type=int, default=None)
-    generate.add_argument("--top-p", type=float, default=None)
-    generate.add_argument("--min-p", type=float, default=None)
-    generate.add_argument("--repetition-penalty", type=float, default=None)
-    generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--int8-cache", action="store_true", help="int8 KV cache")
+    _add_sampling_arguments(generate)
     generate.set_defaults(run=_generate)
+
+    chat = commands.add_parser(
+        "chat", help="talk to an instruct model (its chat template applied); Ctrl-D ends"
+    )
+    chat.add_argument("model", help="checkpoint directory (with tokenizer.json) or .gguf")
+    chat.add_argument("--system", default=None, help="a system message to start with")
+    _add_sampling_arguments(chat, max_new_tokens=256)
+    chat.set_defaults(run=_chat)
+
+    perplexity = commands.add_parser(
+        "perplexity", help="perplexity of a model on a text, with a sliding window"
+    )
+    perplexity.add_argument("model", help="checkpoint directory (with tokenizer.json) or .gguf")
+    perplexity.add_argument(
+        "--text", default=None, help="a text file (default: the passages shipped with eqdel)"
+    )
+    perplexity.add_argument("--window", type=int, default=None, help="tokens per window")
+    perplexity.add_argument("--stride", type=int, default=None, help="tokens between windows")
+    perplexity.add_argument("--dtype", choices=_DTYPES, default="float32")
+    perplexity.set_defaults(run=_perplexity)
+
+    convert = commands.add_parser(
+        "convert",
+        help="write a GGUF file (or checkpoint) as a Hugging Face checkpoint with its "
+        "tokenizer, chat template and generation config",
+    )
+    convert.add_argument("model", help=".gguf file or checkpoint directory")
+    convert.add_argument("output", help="output directory")
+    convert.add_argument("--dtype", choices=_DTYPES, default="float32")
+    convert.set_defaults(run=_convert)
 
     finetune = commands.add_parser(
         "finetune", help="fine-tune a checkpoint on a .txt or .jsonl file (resumes)"
     )
-    finetune.add_argument("model_dir", help="Hugging Face checkpoint with tokenizer.json")
+    finetune.add_argument("model_dir", help="checkpoint directory (with tokenizer.json) or .gguf")
     finetune.add_argument("data", help=".txt (a document per line) or .jsonl file")
     finetune.add_argument("--output", default="finetune-output", help="output directory")
     finetune.add_argument("--steps", type=int, default=100)

@@ -36,9 +36,18 @@ DEMO_OPTIONS = FinetuneOptions(
 """How the demo fine-tunes."""
 
 
+def _data_file(name: str) -> Path:
+    return Path(str(importlib.resources.files("eqdel") / "data" / name))
+
+
 def corpus_file() -> Path:
     """The small English corpus shipped with eqdel, a sentence per line."""
-    return Path(str(importlib.resources.files("eqdel") / "data" / "corpus.txt"))
+    return _data_file("corpus.txt")
+
+
+def perplexity_text_file() -> Path:
+    """Public-domain English passages shipped with eqdel to measure perplexity on."""
+    return _data_file("perplexity.txt")
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):

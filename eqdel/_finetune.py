@@ -3,7 +3,6 @@
 import contextlib
 import dataclasses
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -12,10 +11,12 @@ import jax.numpy as jnp
 import optax
 from tqdm.auto import tqdm
 
+from ._chat import load_chat_template
 from ._lora import apply_lora, lora_filter, merge_lora, save_lora
 from ._placement import shard
 from ._sharding_config import ShardingConfig
-from .checkpoint import from_pretrained, save_pretrained
+from ._tokenizer import load_tokenizer
+from .checkpoint import CheckpointError, from_pretrained, save_pretrained
 from .train import (
     batches,
     causal_lm_loss,
@@ -30,7 +31,6 @@ from .train import (
 )
 
 _COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +98,8 @@ class FinetuneResult:
     **Fields:**
 
     - `losses`: the loss of every step this call ran.
-    - `model_dir`: the trained (LoRA-merged) model as a Hugging Face checkpoint with the
-        tokenizer files.
+    - `model_dir`: the trained (LoRA-merged) model as a Hugging Face checkpoint with its
+        tokenizer and any chat template.
     - `adapter_dir`: the PEFT adapter files, when LoRA was used.
     - `metrics_file`, `plot_file`: the JSONL metrics log and the loss-curve PNG.
     """
@@ -111,13 +111,11 @@ class FinetuneResult:
     plot_file: Path
 
 
-def _load_tokenizer(model_dir: Path):
-    from tokenizers import Tokenizer
-
-    file = model_dir / "tokenizer.json"
-    if not file.is_file():
-        raise ValueError(f"{model_dir}: no tokenizer.json to encode the training data with.")
-    return Tokenizer.from_file(str(file))
+def _chat_template(model_dir: Path):
+    try:
+        return load_chat_template(model_dir)
+    except CheckpointError:
+        return None
 
 
 def _eos_token_id(config) -> int | None:
@@ -163,7 +161,7 @@ def finetune(
 
     **Arguments:**
 
-    - `model_dir`: a checkpoint directory with `tokenizer.json`.
+    - `model_dir`: a checkpoint directory with `tokenizer.json`, or a GGUF file.
     - `data`: a `.txt` file (a document per line) or `.jsonl` file.
     - `output_dir`: where the train states (`checkpoints/`), `metrics.jsonl`, `loss.png`,
         the trained model (`model/`) and any adapter (`adapter/`) go.
@@ -176,7 +174,7 @@ def finetune(
     A [`eqdel.FinetuneResult`][].
     """
     model_dir, output_dir = Path(model_dir), Path(output_dir)
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     model = from_pretrained(model_dir, sharding=sharding, progress=False)
     documents = tokenize(read_texts(data, field=options.text_field), tokenizer)
     blocks = pack(documents, options.block_size, eos_token_id=_eos_token_id(model.config))
@@ -249,10 +247,12 @@ def finetune(
             trained, output_dir / "adapter", base_model_name_or_path=str(model_dir)
         )
         trained = merge_lora(trained)
-    final_dir = save_pretrained(trained, output_dir / "model")
-    for name in _TOKENIZER_FILES:
-        if (model_dir / name).is_file():
-            shutil.copy(model_dir / name, final_dir / name)
+    final_dir = save_pretrained(
+        trained,
+        output_dir / "model",
+        tokenizer=tokenizer,
+        chat_template=_chat_template(model_dir),
+    )
     plot_file = output_dir / "loss.png"
     _plot_losses(metrics_file, plot_file)
     return FinetuneResult(losses, final_dir, adapter_dir, metrics_file, plot_file)

@@ -94,10 +94,7 @@ def _generate(model, input_ids, attention_mask, key, config: GenerationConfig):
 
 
 def _config(model, generation_config, overrides) -> GenerationConfig:
-    base = generation_config or GenerationConfig(
-        eos_token_id=getattr(model.config, "eos_token_id", None) or (),
-        pad_token_id=getattr(model.config, "pad_token_id", None),
-    )
+    base = generation_config or GenerationConfig.from_model_config(model.config)
     return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 

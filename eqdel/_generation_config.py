@@ -59,12 +59,35 @@ class GenerationConfig:
         return not self.do_sample or self.temperature == 0
 
     @classmethod
+    def from_model_config(cls, config, **overrides) -> "GenerationConfig":
+        """Defaults for a model: its config's end and pad tokens."""
+        values = dict(
+            eos_token_id=getattr(config, "eos_token_id", None) or (),
+            pad_token_id=getattr(config, "pad_token_id", None),
+        )
+        return cls(**{**values, **overrides})
+
+    @classmethod
     def from_hf(cls, hf: dict, **overrides) -> "GenerationConfig":
         """Read a transformers `generation_config.json` dict; unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in hf.items() if k in names and v is not None}
         values.update(overrides)
         return cls(**values)
+
+    def to_hf(self, bos_token_id: int | None = None) -> dict:
+        """The transformers `generation_config.json` dict of this config: the fields that
+        differ from the defaults (and `top_k` when sampling, whose default there is 50)."""
+        hf = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default or (f.name == "top_k" and self.do_sample)
+        }
+        eos = list(self.eos_token_id)
+        hf["eos_token_id"] = eos[0] if len(eos) == 1 else (eos or None)
+        if bos_token_id is not None:
+            hf["bos_token_id"] = bos_token_id
+        return {name: value for name, value in hf.items() if value is not None}
 
     @classmethod
     def from_pretrained(cls, path, **overrides) -> "GenerationConfig":

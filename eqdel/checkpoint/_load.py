@@ -17,6 +17,7 @@ from .._sharding_config import ShardingConfig
 from ..models import config_class
 from ..models._registry import MODEL_TYPES
 from ._errors import CheckpointError
+from ._gguf import GGUFCheckpoint, is_gguf
 from ._layout import HFTensor, hf_layout
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -70,6 +71,7 @@ class _Reader:
 
     def __init__(self, files: dict[str, Path]):
         self.files = files
+        self.names = set(files)
         self.handles = {file: _open(file) for file in sorted(set(files.values()))}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -85,13 +87,13 @@ class _Reader:
             ) from None
 
 
-def _check_names(layout: list[HFTensor], skeleton_leaves, reader: _Reader, tied: bool) -> None:
+def _check_names(layout: list[HFTensor], skeleton_leaves, reader, tied: bool) -> None:
     expected = {
         name
         for t, leaf in zip(layout, skeleton_leaves)
         for name in t.names(leaf.shape[: t.stacked])
     }
-    present = set(reader.files)
+    present = reader.names
     missing = sorted(expected - present)
     unexpected = sorted(
         n
@@ -107,7 +109,7 @@ def _check_names(layout: list[HFTensor], skeleton_leaves, reader: _Reader, tied:
         raise CheckpointError("Checkpoint does not fit the model; " + "; ".join(problems) + ".")
 
 
-def _check_shapes(layout, skeleton_leaves, reader: _Reader) -> None:
+def _check_shapes(layout, skeleton_leaves, reader, source: str) -> None:
     for tensor, leaf in zip(layout, skeleton_leaves):
         shape = leaf.shape[tensor.stacked :]
         want = shape[::-1] if tensor.transpose else shape
@@ -116,7 +118,7 @@ def _check_shapes(layout, skeleton_leaves, reader: _Reader) -> None:
             if got != tuple(want):
                 raise CheckpointError(
                     f"{name}: checkpoint shape {got} but the model expects {tuple(want)} "
-                    "(from config.json)."
+                    f"(from {source})."
                 )
 
 
@@ -156,7 +158,7 @@ def _quantization(path: Path, hf: dict):
     )
 
 
-def _loader(tensor: HFTensor, reader: _Reader, dtype, shape: tuple[int, ...]):
+def _loader(tensor: HFTensor, reader, dtype, shape: tuple[int, ...]):
     """The `make_array_from_callback` callback for one parameter of `shape`."""
 
     def one(name: str, index: tuple) -> np.ndarray:
@@ -182,16 +184,19 @@ def from_pretrained(
     progress: bool = True,
     **config_overrides,
 ):
-    """Load a Hugging Face checkpoint directory.
+    """Load a Hugging Face checkpoint directory or a GGUF file.
 
-    Each tensor is read with `safetensors.safe_open` and placed straight onto its final
-    sharding with `jax.make_array_from_callback`: every device reads only its own slice,
-    so no host or device ever holds a full copy of a sharded model.
+    Each tensor is read with `safetensors.safe_open` (or dequantised from the GGUF file,
+    the rows a device needs at a time) and placed straight onto its final sharding with
+    `jax.make_array_from_callback`: every device reads only its own slice, so no host or
+    device ever holds a full copy of a sharded model.
 
     **Arguments:**
 
     - `path`: a directory with `config.json` and `model.safetensors` (or a sharded set
-        with `model.safetensors.index.json`).
+        with `model.safetensors.index.json`), or a llama.cpp `.gguf` file (architectures
+        `eqdel.checkpoint.GGUF_ARCHITECTURES`, tensor types
+        `eqdel.checkpoint.GGUF_TENSOR_TYPES`, dequantised to `dtype`).
     - `dtype`: parameter dtype (`jnp.float32` by default). A floating dtype; weights that
         overflow it raise.
     - `sharding`: a [`eqdel.ShardingConfig`][] to place the parameters on its mesh, or
@@ -213,7 +218,11 @@ def from_pretrained(
     dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise CheckpointError(f"dtype {dtype.name} cannot hold model weights; use a float dtype.")
-    hf = read_config(path)
+    if is_gguf(path):
+        reader = GGUFCheckpoint(path)
+        hf, source = reader.hf_config, f"the metadata of {path.name}"
+    else:
+        reader, hf, source = None, read_config(path), "config.json"
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(
@@ -227,10 +236,11 @@ def from_pretrained(
         lambda: quantization(model_class(config, dtype=dtype, key=jax.random.key(0)))
     )
     layout = hf_layout(skeleton)
-    reader = _Reader(_weight_files(path))
+    if reader is None:
+        reader = _Reader(_weight_files(path))
     skeleton_leaves = jax.tree.leaves(skeleton)
     _check_names(layout, skeleton_leaves, reader, config.tie_word_embeddings)
-    _check_shapes(layout, skeleton_leaves, reader)
+    _check_shapes(layout, skeleton_leaves, reader, source)
 
     if sharding is None:
         shardings = [SingleDeviceSharding(jax.devices()[0])] * len(layout)

@@ -13,7 +13,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors.numpy import save_file
 
+from .._generation_config import GenerationConfig
 from .._quant import quantization_config
+from .._tokenizer import save_tokenizer
 from ._layout import get_path, hf_layout
 from ._load import INDEX_FILE, SINGLE_FILE
 
@@ -81,10 +83,19 @@ def _write_shards(model, directory: Path, max_bytes: int) -> None:
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
 
 
-def save_pretrained(model, path, *, max_shard_size: int | str = "5GB") -> Path:
+def save_pretrained(
+    model,
+    path,
+    *,
+    max_shard_size: int | str = "5GB",
+    tokenizer=None,
+    chat_template=None,
+    generation_config: GenerationConfig | None = None,
+) -> Path:
     """Write `model` as a Hugging Face checkpoint that `transformers` loads (a model
     from [`eqdel.quantize`][] is written as its codes and scales, with the quantization
-    in `config.json`; eqdel loads it back, transformers does not).
+    in `config.json`; eqdel loads it back, transformers does not), with its generation
+    config and, when given, its tokenizer and chat template.
 
     Everything is written to a temporary directory beside `path` and moved into place at
     the end, so a failure never leaves a half-written checkpoint where a good one was.
@@ -97,6 +108,12 @@ def save_pretrained(model, path, *, max_shard_size: int | str = "5GB") -> Path:
     - `path`: the output directory (replaced if it exists).
     - `max_shard_size`: largest safetensors file, in bytes or as `"5GB"`; above it the
         weights are split with a `model.safetensors.index.json`.
+    - `tokenizer`: a `tokenizers.Tokenizer` (from [`eqdel.load_tokenizer`][]) to write
+        as `tokenizer.json` with a `tokenizer_config.json` naming the special tokens.
+    - `chat_template`: a [`eqdel.ChatTemplate`][] (or its source) for
+        `chat_template.jinja`; needs `tokenizer`.
+    - `generation_config`: for `generation_config.json` (default: the end and pad
+        tokens of the model config).
 
     **Returns:**
 
@@ -104,6 +121,8 @@ def save_pretrained(model, path, *, max_shard_size: int | str = "5GB") -> Path:
     """
     path = Path(path)
     max_bytes = parse_size(max_shard_size)
+    if chat_template is not None and tokenizer is None:
+        raise ValueError("a chat template is saved with its tokenizer; pass tokenizer= too.")
     path.parent.mkdir(parents=True, exist_ok=True)
     if jax.process_index() != 0:
         for _ in _tensors(model):  # take part in the gathers; process 0 writes
@@ -115,6 +134,12 @@ def save_pretrained(model, path, *, max_shard_size: int | str = "5GB") -> Path:
         if (quantization := quantization_config(model)) is not None:
             hf_config["quantization_config"] = quantization
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+        generation = generation_config or GenerationConfig.from_model_config(model.config)
+        generation_hf = generation.to_hf(getattr(model.config, "bos_token_id", None))
+        (staging / "generation_config.json").write_text(json.dumps(generation_hf, indent=2))
+        if tokenizer is not None:
+            source = getattr(chat_template, "source", chat_template)
+            save_tokenizer(tokenizer, model.config, staging, source)
         _write_shards(model, staging, max_bytes)
         _replace_directory(staging, path)
     finally:

@@ -1,0 +1,231 @@
+"""GGUF files (llama.cpp's format): the Hugging Face config a file's metadata describes, and
+its tensors dequantised under their Hugging Face names.
+
+llama.cpp's converter renames every tensor (`blk.0.attn_q.weight` for
+`model.layers.0.self_attn.q_proj.weight`), permutes the rows of Llama's query and key
+projections (its rotary kernel pairs neighbouring dimensions, Hugging Face pairs the two
+halves of a head) and stores Gemma's norms as `1 + weight`. Reading undoes all three, so
+a GGUF loads through the same path as a safetensors checkpoint.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from ._errors import CheckpointError
+
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+}
+"""GGUF `general.architecture` → the eqdel `model_type` it loads as."""
+
+GGUF_TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K",
+    "Q5_K", "Q6_K",
+)  # fmt: skip
+"""The GGML tensor types read (and dequantised with the `gguf` package)."""
+
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}  # `{architecture}.{key}` → config.json field
+_TOKEN_IDS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_OVERRIDES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+}
+_NORM_OFFSET = ("gemma", "gemma2")  # llama.cpp stores these norms as 1 + weight
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` names a GGUF file (rather than a checkpoint directory)."""
+    return path.suffix.lower() == ".gguf" or (path.is_file() and _has_gguf_magic(path))
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with path.open("rb") as file:
+        return file.read(4) == b"GGUF"
+
+
+def open_gguf(path: Path):
+    """A `gguf.GGUFReader` over `path` (memory-mapped; nothing is read yet).
+
+    **Raises:**
+
+    `CheckpointError` naming the file when it is missing, truncated or not a GGUF file.
+    """
+    import gguf
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such GGUF file.")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as error:
+        raise CheckpointError(
+            f"{path}: cannot read GGUF file ({error}); it may be truncated or corrupt."
+        ) from None
+
+
+def metadata(reader, key: str, default=None):
+    """The value of GGUF metadata `key` (a number, string or list), or `default`."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _hf_tensor_name(name: str, architecture: str, path: Path) -> str:
+    parts = name.split(".")
+    base, suffix = ".".join(parts[:-1]), parts[-1]
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    if parts[0] == "blk" and len(parts) == 4:
+        layer_names = {**_LAYER_TENSORS, **_LAYER_OVERRIDES.get(architecture, {})}
+        if parts[2] in layer_names:
+            return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
+    raise CheckpointError(
+        f"{path}: tensor {name!r} has no counterpart in eqdel's {architecture} models."
+    )
+
+
+class GGUFCheckpoint:
+    """A GGUF file seen as a Hugging Face checkpoint: `hf_config` is its config.json, and
+    `shape` / `read` give its tensors (dequantised to float32, llama.cpp's changes undone)
+    under Hugging Face names, a slice at a time.
+
+    **Arguments:**
+
+    - `path`: the `.gguf` file.
+
+    **Raises:**
+
+    `CheckpointError` naming the file and the architecture, tensor or tensor type that
+    eqdel does not read.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.reader = open_gguf(self.path)
+        architecture = metadata(self.reader, "general.architecture")
+        if architecture not in GGUF_ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path}: GGUF architecture {architecture!r} is not supported; eqdel "
+                f"reads {sorted(GGUF_ARCHITECTURES)}."
+            )
+        self.architecture = architecture
+        self.hf_config = self._hf_config()
+        self.tensors = {}
+        for tensor in self.reader.tensors:
+            if tensor.tensor_type.name not in GGUF_TENSOR_TYPES:
+                raise CheckpointError(
+                    f"{self.path}: tensor {tensor.name!r} is stored as "
+                    f"{tensor.tensor_type.name}, which eqdel does not read; supported: "
+                    f"{', '.join(GGUF_TENSOR_TYPES)}."
+                )
+            self.tensors[_hf_tensor_name(tensor.name, architecture, self.path)] = tensor
+        self.names = set(self.tensors)
+
+    def _hf_config(self) -> dict:
+        reader, arch = self.reader, self.architecture
+        scaling = metadata(reader, f"{arch}.rope.scaling.type", "none")
+        if scaling != "none":
+            raise CheckpointError(
+                f"{self.path}: rope scaling {scaling!r} is not read from GGUF files yet."
+            )
+        hf = {"model_type": GGUF_ARCHITECTURES[arch]}
+        for key, name in _CONFIG_KEYS.items():
+            if (value := metadata(reader, f"{arch}.{key}")) is not None:
+                hf[name] = value
+        if "vocab_size" not in hf:
+            hf["vocab_size"] = len(metadata(reader, "tokenizer.ggml.tokens", ()))
+        if arch == "llama" and "head_dim" not in hf:
+            hf["head_dim"] = metadata(reader, "llama.rope.dimension_count")
+        for name, key in _TOKEN_IDS.items():
+            if (value := metadata(reader, key)) is not None:
+                hf[name] = value
+        hf["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+        return hf
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The Hugging Face shape of tensor `name` (GGML lists dimensions innermost first)."""
+        return tuple(int(n) for n in reversed(self.tensors[name].shape))
+
+    def _row_order(self, name: str) -> np.ndarray | None:
+        """For Llama's query and key projections, the stored row of every Hugging Face row."""
+        if self.architecture != "llama":
+            return None
+        heads = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
+        projection = name.split(".")[-2]
+        if projection not in heads:
+            return None
+        rows = self.shape(name)[0]
+        count = self.hf_config[heads[projection]]
+        return np.arange(rows).reshape(count, rows // count // 2, 2).swapaxes(1, 2).reshape(-1)
+
+    def read(self, name: str, index: tuple) -> np.ndarray:
+        """The float32 block `index` (a tuple of slices) of tensor `name`.
+
+        Only the rows asked for are dequantised: GGML blocks never cross a row.
+        """
+        from gguf import dequantize
+
+        tensor = self.tensors[name]
+        shape = self.shape(name)
+        try:
+            if len(shape) == 1:
+                block = dequantize(tensor.data, tensor.tensor_type).reshape(shape)[index]
+            else:
+                rows = np.arange(shape[0])[index[0]]
+                order = self._row_order(name)
+                if order is not None:
+                    rows = order[rows]
+                block = dequantize(tensor.data[rows], tensor.tensor_type)
+                block = block.reshape(len(rows), *shape[1:])[(slice(None), *index[1:])]
+        except (ValueError, IndexError, OSError) as error:
+            raise CheckpointError(
+                f"{self.path}: cannot read tensor {tensor.name!r} ({error}); the file may be "
+                "truncated or corrupt."
+            ) from None
+        block = np.asarray(block, np.float32)
+        if self.architecture in _NORM_OFFSET and name.endswith("norm.weight"):
+            block = block - np.float32(1)
+        return block
