@@ -30,6 +30,7 @@ from ._quant import (
     quantize as quantize,
 )
 from ._sharding_config import ShardingConfig as ShardingConfig
+from ._smollm2 import smollm2_gguf as smollm2_gguf
 from ._tokenizer import load_tokenizer as load_tokenizer
 from ._version import __version__ as __version__
 from .checkpoint import from_pretrained as from_pretrained, save_pretrained as save_pretrained

@@ -312,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="shard a tiny Llama on simulated CPU devices, fine-tune it on the embedded "
-        "corpus, save, reload and generate",
+        help="SmolLM2-135M-Instruct sharded on simulated CPU devices: chat, perplexity, "
+        "LoRA fine-tuning on an embedded instruction set, chat again",
     )
     demo.add_argument("--output", default=None, help="keep the run here (default: discard)")
     demo.add_argument("--steps", type=int, default=None, help="fine-tuning steps")

@@ -1,7 +1,6 @@
-"""The main job of `eqdel demo`: a tiny Llama saved, loaded sharded, fine-tuned on the
-embedded corpus, reloaded and asked to write."""
+"""The main job of `eqdel demo`: SmolLM2-135M-Instruct, a real pretrained model, converted
+from GGUF, loaded sharded, asked questions, measured, LoRA-fine-tuned and asked again."""
 
-import dataclasses
 import importlib.resources
 import tempfile
 from pathlib import Path
@@ -10,39 +9,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._chat import load_chat_template
 from ._explain import explain_sharding
 from ._finetune import FinetuneOptions, finetune
 from ._generation import generate
 from ._sharding_config import ShardingConfig
+from ._smollm2 import smollm2_gguf
+from ._tokenizer import load_tokenizer
 from .checkpoint import from_pretrained, save_pretrained
-from .models import LlamaConfig, LlamaForCausalLM
-
-TINY_LLAMA = LlamaConfig(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=0,
-    eos_token_id=1,
-)
-"""The embedded default model: a random-weight Llama small enough for any CPU."""
+from .evaluate import perplexity
 
 DEMO_OPTIONS = FinetuneOptions(
-    steps=150, batch_size=8, block_size=32, learning_rate=3e-3, warmup_steps=10
+    steps=30,
+    batch_size=4,
+    block_size=64,
+    learning_rate=2e-3,
+    warmup_steps=3,
+    lora_rank=8,
+    text_field="messages",
 )
-"""How the demo fine-tunes."""
+"""How the demo fine-tunes: rank-8 LoRA on the attention projections, 30 steps of 256
+tokens."""
+
+DEMO_QUESTIONS = ("Tell me who you are.", "What is the capital of Germany?")
+"""What the demo asks before and after fine-tuning; neither is in the instruction set."""
 
 
 def _data_file(name: str) -> Path:
     return Path(str(importlib.resources.files("eqdel") / "data" / name))
-
-
-def corpus_file() -> Path:
-    """The small English corpus shipped with eqdel, a sentence per line."""
-    return _data_file("corpus.txt")
 
 
 def perplexity_text_file() -> Path:
@@ -50,29 +44,30 @@ def perplexity_text_file() -> Path:
     return _data_file("perplexity.txt")
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`, with `<s>` (id 0) and
-    `</s>` (id 1)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    return tokenizer
+def instructions_file() -> Path:
+    """The small chat instruction set shipped with eqdel (JSONL, a `messages` field): it
+    teaches a model to call itself Quill and to sign its answers."""
+    return _data_file("instructions.jsonl")
 
 
-def _check_sharded_logits(model, sharded, vocab_size: int) -> float:
-    ids = jax.random.randint(jax.random.key(1), (4, 64), 0, vocab_size)
+def _answer(model, tokenizer, template, question: str, max_new_tokens: int = 40) -> str:
+    ids = template.encode(tokenizer, [{"role": "user", "content": question}])
+    out = generate(model, jnp.asarray([ids], jnp.int32), max_new_tokens=max_new_tokens)
+    return tokenizer.decode([int(t) for t in out[0, len(ids) :]]).strip()
+
+
+def _ask(model, tokenizer, template, questions) -> list[str]:
+    answers = []
+    for question in questions:
+        answers.append(_answer(model, tokenizer, template, question))
+        print(f"  user: {question}\n  assistant: {answers[-1]}")
+    return answers
+
+
+def _check_sharded_logits(model, sharded, ids) -> float:
     forward = jax.jit(lambda m, i: m(i).logits)
-    difference = float(jnp.max(jnp.abs(forward(sharded, ids) - forward(model, ids))))
-    print(f"max |sharded - single device| logits = {difference:.2e}")
+    difference = float(np.max(np.abs(np.asarray(forward(sharded, ids)) - forward(model, ids))))
+    print(f"max |sharded - single device| logits on {ids.shape[1]} tokens = {difference:.2e}")
     return difference
 
 
@@ -80,45 +75,61 @@ def run_demo(
     cfg: ShardingConfig,
     output_dir: Path | None = None,
     options: FinetuneOptions = DEMO_OPTIONS,
-    prompt: str = "The river",
+    questions: tuple[str, ...] = DEMO_QUESTIONS,
 ) -> dict:
-    """Train a tokenizer on the embedded corpus, build the tiny Llama, save it as a
-    Hugging Face checkpoint, load it onto the mesh of `cfg` (printing where every
-    parameter went and checking sharded against single-device logits), fine-tune it
-    there, reload the result and generate greedily from `prompt`.
+    """Fetch SmolLM2-135M-Instruct (once, into the user cache), convert its GGUF file to a
+    Hugging Face checkpoint, load that onto the mesh of `cfg` (printing where every
+    parameter went and checking sharded against single-device logits on real text), ask
+    it `questions`, measure its perplexity on the embedded passages, LoRA-fine-tune it
+    there on the embedded instruction set, and ask and measure again.
 
     **Arguments:**
 
     - `cfg`: the mesh to run on.
-    - `output_dir`: where to keep the checkpoints, metrics and loss curve (default: a
-        temporary directory, removed afterwards).
+    - `output_dir`: where to keep the converted model (`smollm2/`) and the fine-tuning
+        run (`run/`: train states, metrics, loss curve, `model/`, `adapter/`); default: a
+        temporary directory, removed afterwards.
     - `options`: how to fine-tune.
-    - `prompt`: the text to continue.
+    - `questions`: what to ask, greedily, before and after.
 
     **Returns:**
 
     `{"difference": sharded-vs-single-device logit difference, "losses": [...],
-    "sample": generated text}`.
+    "before"/"after": the answers, "perplexity_before"/"perplexity_after": floats}`.
     """
+    gguf = smollm2_gguf()
+    print(f"SmolLM2-135M-Instruct: {gguf}")
+    tokenizer, template = load_tokenizer(gguf), load_chat_template(gguf)
+    text_ids = tokenizer.encode(perplexity_text_file().read_text()).ids
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) if output_dir is None else Path(output_dir)
-        texts = corpus_file().read_text().splitlines()
-        tokenizer = train_tokenizer(texts, TINY_LLAMA.vocab_size)
-        config = dataclasses.replace(TINY_LLAMA, vocab_size=tokenizer.get_vocab_size())
-        model = LlamaForCausalLM(config, key=jax.random.key(0))
+        model = from_pretrained(gguf, progress=False)
         print(model)
-        base = save_pretrained(model, root / "tiny-llama")
-        tokenizer.save(str(base / "tokenizer.json"))
-        print(f"saved a Hugging Face checkpoint: {sorted(p.name for p in base.iterdir())}")
+        base = save_pretrained(
+            model, root / "smollm2", tokenizer=tokenizer, chat_template=template
+        )
+        print(f"converted to a Hugging Face checkpoint: {sorted(p.name for p in base.iterdir())}")
 
         sharded = from_pretrained(base, sharding=cfg, progress=False)
         print(explain_sharding(sharded, cfg))
-        difference = _check_sharded_logits(model, sharded, config.vocab_size)
+        difference = _check_sharded_logits(model, sharded, jnp.asarray([text_ids[:64]]))
+        del model
+
+        print("before fine-tuning:")
+        before = _ask(sharded, tokenizer, template, questions)
+        measured = perplexity(sharded, text_ids, window=256, stride=128, progress=False)
+        print(
+            f"perplexity on {perplexity_text_file().name} ({measured.tokens} tokens, window "
+            f"256, stride 128): {measured.perplexity:.3f}"
+        )
+        del sharded
 
         print(
-            f"fine-tuning on {corpus_file().name} ({len(texts)} lines) for {options.steps} steps"
+            f"LoRA fine-tuning on {instructions_file().name} "
+            f"({len(instructions_file().read_text().splitlines())} conversations) for "
+            f"{options.steps} steps"
         )
-        result = finetune(base, corpus_file(), root / "run", options, sharding=cfg)
+        result = finetune(base, instructions_file(), root / "run", options, sharding=cfg)
         losses = result.losses
         kept = "" if output_dir is None else f"; loss curve: {result.plot_file}"
         if losses:
@@ -127,8 +138,15 @@ def run_demo(
             print(f"{root / 'run'} already holds all {options.steps} steps{kept}")
 
         trained = from_pretrained(result.model_dir, sharding=cfg, progress=False)
-        ids = jnp.asarray([tokenizer.encode(prompt).ids], jnp.int32)
-        tokens = np.asarray(generate(trained, ids, max_new_tokens=24))[0]
-        sample = tokenizer.decode(tokens.tolist())
-        print(f"reloaded {result.model_dir.name}/ and generated: {sample!r}")
-    return dict(difference=difference, losses=losses, sample=sample)
+        print(f"reloaded {result.model_dir.name}/, after fine-tuning:")
+        after = _ask(trained, tokenizer, template, questions)
+        tuned = perplexity(trained, text_ids, window=256, stride=128, progress=False)
+        print(f"perplexity on {perplexity_text_file().name}: {tuned.perplexity:.3f}")
+    return dict(
+        difference=difference,
+        losses=losses,
+        before=before,
+        after=after,
+        perplexity_before=measured.perplexity,
+        perplexity_after=tuned.perplexity,
+    )

@@ -49,7 +49,9 @@ class FinetuneOptions:
     - `compute_dtype`: `"float32"` or `"bfloat16"` (parameters stay float32).
     - `save_every`: save the train state every this many steps (and always at the end).
     - `seed`: data order and LoRA initialisation.
-    - `text_field`: the field holding the text in a JSONL file.
+    - `text_field`: the field of a JSONL record holding its text, or a conversation
+        (`[{"role": "user", "content": ...}, ...]`) that the model's chat template writes
+        out (the loss covers the whole conversation).
     """
 
     steps: int = 100
@@ -118,6 +120,19 @@ def _chat_template(model_dir: Path):
         return None
 
 
+def _render_conversations(texts: list, model_dir: Path, data) -> list[str]:
+    """The texts, with every conversation written out by the model's chat template."""
+    if all(isinstance(text, str) for text in texts):
+        return texts
+    template = _chat_template(model_dir)
+    if template is None:
+        raise ValueError(f"{data} holds conversations but {model_dir} has no chat template.")
+    return [
+        text if isinstance(text, str) else template.render(text, add_generation_prompt=False)
+        for text in texts
+    ]
+
+
 def _eos_token_id(config) -> int | None:
     eos = config.eos_token_id
     return eos[0] if isinstance(eos, tuple) else eos
@@ -176,7 +191,8 @@ def finetune(
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     tokenizer = load_tokenizer(model_dir)
     model = from_pretrained(model_dir, sharding=sharding, progress=False)
-    documents = tokenize(read_texts(data, field=options.text_field), tokenizer)
+    texts = read_texts(data, field=options.text_field)
+    documents = tokenize(_render_conversations(texts, model_dir, data), tokenizer)
     blocks = pack(documents, options.block_size, eos_token_id=_eos_token_id(model.config))
     if len(blocks) < options.batch_size:
         raise ValueError(

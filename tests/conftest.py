@@ -15,3 +15,15 @@ def getkey():
     """A fresh PRNG key on every call."""
     keys = iter(jax.random.split(jax.random.key(0), 10_000))
     return lambda: next(keys)
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    """SmolLM2-135M-Instruct's GGUF file, fetched once into the cache; a skip naming the
+    reason when it is not cached and cannot be fetched."""
+    from eqdel._smollm2 import smollm2_gguf
+
+    try:
+        return smollm2_gguf()
+    except OSError as error:
+        pytest.skip(f"SmolLM2 is not cached and cannot be fetched: {error}")

@@ -1,12 +1,16 @@
+import re
 import subprocess
 import sys
 
 import eqdel
 
 
-def run(*args):
+def run(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "eqdel._cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "eqdel._cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -27,17 +31,21 @@ def test_inspect_mesh_bad_dims_is_a_clear_error():
     assert "needs a multiple of 3 devices; found 8" in out.stderr
 
 
-def test_demo_shards_fine_tunes_reloads_and_generates():
-    out = run("demo")
+def test_demo_shards_chats_fine_tunes_and_chats_again(smollm2_file):
+    out = run("demo", timeout=900)
     assert out.returncode == 0, out.stderr
     assert "mesh (dp=1, fsdp=2, tp=2, sp=2)" in out.stdout
     assert ".model.layers.self_attn.q_proj.weight" in out.stdout
-    difference = float(out.stdout.split("max |sharded - single device| logits = ")[1].split()[0])
-    assert difference <= 1e-5
-    first, last = out.stdout.split("\nloss ")[1].split()[0:3:2]
-    assert float(last) < 0.2 * float(first)
-    sample = out.stdout.split("generated: ")[1].strip()
-    assert sample.startswith("'The river") and len(sample) > len("'The river'") + 10
+    difference = float(out.stdout.split("single device| logits on 64 tokens = ")[1].split()[0])
+    assert difference <= 1e-4
+    before, after = out.stdout.split("LoRA fine-tuning on ")
+    assert "assistant: The capital of Germany is Berlin." in before
+    assert "Quill" not in before
+    first, last = after.split("\nloss ")[1].split()[0:3:2]
+    assert float(last) < 0.3 * float(first)
+    assert "assistant: I am Quill" in after  # a question the instruction set does not hold
+    perplexities = re.findall(r"perplexity on perplexity.txt.*: ([\d.]+)", out.stdout)
+    assert len(perplexities) == 2 and 10 < float(perplexities[0]) < 30
 
 
 def test_generate_streams_text_from_a_checkpoint(tmp_path):

@@ -20,6 +20,7 @@ PUBLIC_MODULES = (
     "eqdel.attention",
     "eqdel.train",
     "eqdel.checkpoint",
+    "eqdel.evaluate",
 )
 
 
@@ -99,12 +100,14 @@ def test_quickstart_runs_as_written(tmp_path):
         assert out.returncode == 0, f"{code}\n{out.stderr[-3000:]}"
         outputs.append(out.stdout)
     demo, python, cli = outputs
-    assert "generated: 'The river" in demo
+    assert "assistant: I am Quill" in demo  # the demo's fine-tuning took
+    assert "The capital of France is Paris." in python
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", python).groups())
     assert last < 0.5 * first
     assert "The lighthouse keeper" in python  # the fine-tuned model learned the notes
     assert (tmp_path / "quickstart" / "notes-cli" / "adapter" / "adapter_config.json").is_file()
-    assert cli.strip()
+    assert "The lighthouse keeper" in cli
+    assert re.search(r"perplexity \d+\.\d+ .* over \d+ tokens of perplexity.txt", cli)
 
 
 def _shown_outputs() -> list[tuple[str, str, str]]:

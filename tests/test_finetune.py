@@ -8,9 +8,9 @@ import sys
 import jax
 import numpy as np
 import pytest
+from tiny import WORD_LLAMA, corpus_file, train_tokenizer
 
 import eqdel
-from eqdel._demo import TINY_LLAMA, corpus_file, train_tokenizer
 from eqdel._finetune import FinetuneOptions, finetune
 from eqdel.models import LlamaForCausalLM
 
@@ -21,8 +21,8 @@ OPTIONS = FinetuneOptions(steps=6, batch_size=4, block_size=16, learning_rate=3e
 def base(tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
     tokenizer = train_tokenizer(corpus_file().read_text().splitlines(), 300)
-    config = TINY_LLAMA.__class__(
-        **{**vars(TINY_LLAMA), "vocab_size": tokenizer.get_vocab_size(), "num_hidden_layers": 2}
+    config = WORD_LLAMA.__class__(
+        **{**vars(WORD_LLAMA), "vocab_size": tokenizer.get_vocab_size(), "num_hidden_layers": 2}
     )
     eqdel.save_pretrained(LlamaForCausalLM(config, key=jax.random.key(0)), path)
     tokenizer.save(str(path / "tokenizer.json"))

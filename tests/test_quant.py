@@ -10,9 +10,9 @@ import numpy as np
 import optax
 import pytest
 from hf_reference import random_ids
+from tiny import WORD_LLAMA, corpus_file, train_tokenizer
 
 import eqdel
-from eqdel._demo import TINY_LLAMA, corpus_file, train_tokenizer
 from eqdel._gptq import gptq_round, input_grams
 from eqdel._quant import (
     NF4_LEVELS,
@@ -34,7 +34,7 @@ def trained():
     near-uniform logits, where top-1 agreement measures only ties."""
     texts = corpus_file().read_text().splitlines()
     tokenizer = train_tokenizer(texts, 512)
-    config = dataclasses.replace(TINY_LLAMA, vocab_size=tokenizer.get_vocab_size())
+    config = dataclasses.replace(WORD_LLAMA, vocab_size=tokenizer.get_vocab_size())
     model = LlamaForCausalLM(config, key=jax.random.key(0))
     optimizer = optax.adamw(3e-3)
     state = init_train_state(model, optimizer, jax.random.key(1))

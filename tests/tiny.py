@@ -1,4 +1,7 @@
-"""The tiny model config the training tests share."""
+"""The tiny models and data the tests share."""
+
+import importlib.resources
+from pathlib import Path
 
 from eqdel.models import LlamaConfig
 
@@ -10,3 +13,39 @@ TINY_LLAMA = LlamaConfig(
     num_attention_heads=4,
     num_key_value_heads=2,
 )
+
+WORD_LLAMA = LlamaConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+"""A random-weight Llama for text from `train_tokenizer` (set `vocab_size` to its size)."""
+
+
+def corpus_file() -> Path:
+    """The small English corpus shipped with eqdel, a sentence per line."""
+    return Path(str(importlib.resources.files("eqdel") / "data" / "corpus.txt"))
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts`, with `<s>` (id 0) and
+    `</s>` (id 1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer

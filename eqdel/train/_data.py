@@ -12,9 +12,9 @@ from .. import axes as ax
 from .._sharding_config import ShardingConfig
 
 
-def read_texts(path, *, field: str = "text") -> list[str]:
+def read_texts(path, *, field: str = "text") -> list[str | list[dict]]:
     """The documents of a `.txt` file (one per non-empty line) or `.jsonl` file (the
-    `field` of every record).
+    `field` of every record: a text, or a conversation as a list of chat messages).
 
     **Raises:**
 
@@ -33,8 +33,10 @@ def read_texts(path, *, field: str = "text") -> list[str]:
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{number}: not a JSON record ({error}).") from None
         if not isinstance(record, dict) or field not in record:
-            raise ValueError(f"{path}:{number}: record has no {field!r} field.")
-        texts.append(str(record[field]))
+            fields = f" (its fields: {sorted(record)})" if isinstance(record, dict) else ""
+            raise ValueError(f"{path}:{number}: record has no {field!r} field{fields}.")
+        value = record[field]
+        texts.append(value if isinstance(value, list) else str(value))
     return texts
 
 

@@ -1,0 +1,236 @@
+"""GGUF files written here from tiny random transformers models, the way llama.cpp's
+converter writes them (its names, its query/key row permutation for Llama, Gemma's
+`1 + weight` norms): eqdel loads them to the transformers logits, and refuses bad files by
+name."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_reference import hf_logits, make_hf_model, random_ids
+from tiny import corpus_file, train_tokenizer
+
+import eqdel
+from eqdel.checkpoint import CheckpointError
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GEMMA2_LAYER_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def _gguf_name(name: str, architecture: str) -> str:
+    for hf, ours in {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}.items():
+        if name.startswith(hf + "."):
+            return ours + name[len(hf) :]
+    if name.startswith("lm_head."):
+        return "output" + name[len("lm_head") :]
+    _, _, layer, rest = name.split(".", 3)
+    module, suffix = rest.rsplit(".", 1)
+    names = {**_LAYER_NAMES, **(_GEMMA2_LAYER_NAMES if architecture == "gemma2" else {})}
+    return f"blk.{layer}.{names[module]}.{suffix}"
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(hf_model, path, architecture: str, tensor_type: str = "F32", **metadata):
+    """Write `hf_model` as llama.cpp would; 2-D weights stored as `tensor_type`."""
+    config = hf_model.config
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    head_dim = (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    writer.add_key_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if architecture == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", config.attn_logit_softcapping)
+        writer.add_float32("gemma2.final_logit_softcapping", config.final_logit_softcapping)
+        writer.add_uint32("gemma2.attention.sliding_window", config.sliding_window)
+    for key, value in metadata.items():
+        writer.add_key_value(key, *value)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        array = tensor.detach().numpy().astype(np.float32)
+        if architecture in ("gemma", "gemma2") and name.endswith("norm.weight"):
+            array = array + 1
+        if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            array = _llama_cpp_permute(array, heads)
+        kind = gguf.GGMLQuantizationType[tensor_type if array.ndim == 2 else "F32"]
+        stored = array if kind.name == "F32" else gguf.quantize(array, kind)
+        writer.add_tensor(_gguf_name(name, architecture), stored, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "phi3", "gemma", "gemma2"])
+def test_float_gguf_loads_to_the_transformers_logits(architecture, tmp_path):
+    overrides = {
+        "phi3": {"pad_token_id": 0},
+        "gemma": {"head_dim": 8},
+        "gemma2": {"head_dim": 8, "query_pre_attn_scalar": 8},
+    }.get(architecture, {})
+    hf_model = make_hf_model(architecture, **overrides)
+    path = write_gguf(hf_model, tmp_path / "model.gguf", architecture)
+    model = eqdel.from_pretrained(path, progress=False)
+    ids = random_ids(2, 16)
+    np.testing.assert_allclose(
+        np.asarray(model(jnp.asarray(ids)).logits), hf_logits(hf_model, ids), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("tensor_type", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantized_gguf_loads_the_dequantised_weights(tensor_type, tmp_path):
+    """Each 2-D weight is what `gguf.dequantize` gives for the stored blocks, so the model
+    computes what transformers computes with those dequantised weights."""
+    hf_model = make_hf_model("llama")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", tensor_type)
+    kind = gguf.GGMLQuantizationType[tensor_type]
+    state = {
+        name: gguf.dequantize(gguf.quantize(t.numpy(), kind), kind) if t.ndim == 2 else t.numpy()
+        for name, t in hf_model.state_dict().items()
+    }
+    hf_model.load_state_dict({name: torch.tensor(a) for name, a in state.items()})
+    model = eqdel.from_pretrained(path, progress=False)
+    ids = random_ids(2, 16)
+    np.testing.assert_allclose(
+        np.asarray(model(jnp.asarray(ids)).logits), hf_logits(hf_model, ids), atol=1e-5, rtol=0
+    )
+
+
+def test_sharded_gguf_load_equals_one_device(tmp_path):
+    hf_model = make_hf_model("llama")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "Q8_0")
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    single = eqdel.from_pretrained(path, progress=False)
+    sharded = eqdel.from_pretrained(path, sharding=cfg, progress=False)
+    for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert sharded.model.layers.self_attn.q_proj.weight.sharding.spec != (None, None, None)
+
+
+def _tokenizer_metadata(tokenizer) -> dict:
+    import json
+
+    model = json.loads(tokenizer.to_str())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    kinds = [3 if token in ("<s>", "</s>") else 1 for token in tokens]
+    types = gguf.GGUFValueType
+    return {
+        "tokenizer.ggml.model": ("gpt2", types.STRING),
+        "tokenizer.ggml.pre": ("gpt2", types.STRING),
+        "tokenizer.ggml.tokens": (tokens, types.ARRAY, types.STRING),
+        "tokenizer.ggml.merges": (merges, types.ARRAY, types.STRING),
+        "tokenizer.ggml.token_type": (kinds, types.ARRAY, types.INT32),
+        "tokenizer.ggml.bos_token_id": (0, types.UINT32),
+        "tokenizer.ggml.eos_token_id": (1, types.UINT32),
+        "tokenizer.chat_template": (
+            "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant: {% endif %}",
+            types.STRING,
+        ),
+    }
+
+
+def test_gguf_tokenizer_and_chat_template(tmp_path):
+    texts = corpus_file().read_text().splitlines()
+    tokenizer = train_tokenizer(texts, 300)
+    hf_model = make_hf_model("llama", vocab_size=tokenizer.get_vocab_size())
+    path = write_gguf(hf_model, tmp_path / "m.gguf", "llama", **_tokenizer_metadata(tokenizer))
+    ours = eqdel.load_tokenizer(path)
+    text = " ".join(texts[:5]) + " <s> unusual wørds 42"
+    assert ours.encode(text).ids == tokenizer.encode(text).ids
+    assert ours.decode(ours.encode(text).ids) == tokenizer.decode(tokenizer.encode(text).ids)
+
+    template = eqdel.load_chat_template(path)
+    assert template.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    messages = [{"role": "user", "content": "The river"}]
+    assert template.render(messages) == "<s>user: The river</s><s>assistant: "
+    ids = template.encode(ours, messages)
+    assert ids[0] == 0 and ids.count(1) == 1  # the special tokens are single ids
+
+    out = eqdel.save_pretrained(
+        eqdel.from_pretrained(path, progress=False),
+        tmp_path / "hf",
+        tokenizer=ours,
+        chat_template=template,
+    )
+    assert eqdel.load_chat_template(out).render(messages) == template.render(messages)
+    assert eqdel.load_tokenizer(out).encode(text).ids == ours.encode(text).ids
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    path = write_gguf(make_hf_model("llama"), tmp_path / "m.gguf", "llama")
+    data = path.read_bytes().replace(b"llama", b"mamba", 1)
+    (tmp_path / "mamba.gguf").write_bytes(data)
+    with pytest.raises(CheckpointError, match="GGUF architecture 'mamba' is not supported"):
+        eqdel.from_pretrained(tmp_path / "mamba.gguf", progress=False)
+
+
+def test_unread_tensor_type_is_named(tmp_path):
+    hf_model = make_hf_model("llama")
+    writer = gguf.GGUFWriter(tmp_path / "m.gguf", "llama")
+    kind = gguf.GGMLQuantizationType.IQ4_NL
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    weight = hf_model.model.embed_tokens.weight
+    raw = np.zeros((weight.shape[0], weight.shape[1] // block * size), np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match=r"'token_embd\.weight' is stored as IQ4_NL"):
+        eqdel.from_pretrained(tmp_path / "m.gguf", progress=False)
+
+
+def test_truncated_gguf_is_named(tmp_path):
+    path = write_gguf(make_hf_model("llama"), tmp_path / "m.gguf", "llama")
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cut\.gguf.*truncated or corrupt"):
+        eqdel.from_pretrained(tmp_path / "cut.gguf", progress=False)
+    with pytest.raises(CheckpointError, match="no such GGUF file"):
+        eqdel.from_pretrained(tmp_path / "missing.gguf", progress=False)
+
+
+def test_gguf_without_tokenizer_or_template_is_named(tmp_path):
+    path = write_gguf(make_hf_model("llama"), tmp_path / "m.gguf", "llama")
+    with pytest.raises(CheckpointError, match=r"m\.gguf: GGUF tokenizer model None"):
+        eqdel.load_tokenizer(path)
+    with pytest.raises(CheckpointError, match=r"m\.gguf: no chat template"):
+        eqdel.load_chat_template(path)
