@@ -179,6 +179,12 @@ class GGUFCheckpoint:
             hf["vocab_size"] = len(metadata(reader, "tokenizer.ggml.tokens", ()))
         if arch == "llama" and "head_dim" not in hf:
             hf["head_dim"] = metadata(reader, "llama.rope.dimension_count")
+        if arch == "gemma2":  # not stored; llama.cpp's rule: 27B (46 layers) scales by
+            # hidden / heads, the others by the head size
+            per_head = hf["hidden_size"] // hf["num_attention_heads"]
+            hf["query_pre_attn_scalar"] = (
+                per_head if hf["num_hidden_layers"] == 46 else hf.get("head_dim", per_head)
+            )
         for name, key in _TOKEN_IDS.items():
             if (value := metadata(reader, key)) is not None:
                 hf[name] = value
