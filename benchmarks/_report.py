@@ -35,18 +35,19 @@ def forward_flops_per_token(sizes: dict, seq: int) -> float:
     return 2 * matmul_params + 4 * layers * seq * h
 
 
-def matmul_peak(size: int = 2048, repeats: int = 10) -> dict:
-    """The best float32 matmul rate XLA and torch reach on this machine, in alternating
-    rounds."""
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-    matmul = jax.jit(lambda a: a @ a)
-    t = torch.randn(size, size)
+def matmul_peak(size: int = 2048, repeats: int = 10, dtype: str = "float32") -> dict:
+    """The best `dtype` matmul rate (accumulating in float32) XLA and torch reach on this
+    machine, in alternating rounds."""
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
+    matmul = jax.jit(lambda a: jnp.matmul(a, a, preferred_element_type=jnp.float32))
+    t = torch.randn(size, size).to(getattr(torch, dtype))
     times = interleaved_times(
         {"xla": lambda: matmul(a).block_until_ready(), "torch": lambda: t @ t}, repeats
     )
     flops = 2 * size**3
     return {
         "size": size,
+        "dtype": dtype,
         "xla_flops_per_s": flops / min(times["xla"]),
         "torch_flops_per_s": flops / min(times["torch"]),
     }

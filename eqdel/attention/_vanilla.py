@@ -42,13 +42,15 @@ def vanilla_attention(
     grouped = grouped.reshape(batch, kv_heads, group * q_len, head_dim)
     key = key.transpose(0, 2, 1, 3)
     value = value.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkqd,bksd->bkqs", grouped, key).astype(jnp.float32) * scale
+    f32 = jnp.float32  # accumulating 16-bit products in float32 is also what is fast on CPU
+    scores = jnp.einsum("bkqd,bksd->bkqs", grouped, key, preferred_element_type=f32) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = scores.reshape(batch, kv_heads, group, q_len, kv_len)
     scores = jnp.where(mask.dense()[:, None, None, :, :], scores, DEFAULT_MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
     weights = weights.reshape(batch, kv_heads, group * q_len, kv_len)
-    out = jnp.einsum("bkqs,bksd->bkqd", weights, value)
+    out = jnp.einsum("bkqs,bksd->bkqd", weights, value, preferred_element_type=f32)
+    out = out.astype(query.dtype)
     out = out.reshape(batch, kv_heads, group, q_len, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, heads, head_dim)

@@ -56,4 +56,4 @@ class Embedding(eqx.Module):
 
         `x @ weight.T`.
         """
-        return matmul(x, self.weight.T)
+        return matmul(x, self.weight, transposed=True)

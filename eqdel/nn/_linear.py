@@ -1,5 +1,7 @@
 """A dense layer whose weight is stored `[in, out]` and carries semantic axes."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,33 +10,82 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._field import field
 from ._broadcast import trailing
 
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _dot(a: Array, b: Array, a_dim: int, b_dim: int) -> Float[Array, "m n"]:
+    """Contract dimension `a_dim` of the matrix `a` with `b_dim` of `b`, accumulating and
+    returning float32."""
+    dims = (((a_dim,), (b_dim,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _low_precision_matmul(rows: Array, weight: Array, transposed: bool) -> Array:
+    """`rows @ weight` (`rows @ weight.T` when `transposed`) in a 16-bit dtype,
+    accumulated in float32.
+
+    XLA's CPU backend sends a 16-bit product to the CPU's bfloat16 matrix units (AMX,
+    AVX-512 BF16) only when it accumulates in float32 and the left operand contracts its
+    last dimension on an operand it does not have to transpose first; otherwise it
+    converts both operands to float32, slower than float32 throughout. The input
+    gradient is written in that form too. The weight gradient contracts the tokens, the
+    leading dimension of both operands, and runs at float32 speed whichever way it is
+    written.
+    """
+    return _dot(rows, weight, 1, 1 if transposed else 0).astype(rows.dtype)
+
+
+def _low_precision_matmul_fwd(rows, weight, transposed):
+    return _low_precision_matmul(rows, weight, transposed), (rows, weight)
+
+
+def _low_precision_matmul_bwd(transposed, residuals, grad):
+    rows, weight = residuals
+    grad_rows = _dot(grad, weight, 1, 0 if transposed else 1)
+    grad_weight = _dot(grad, rows, 0, 0) if transposed else _dot(rows, grad, 0, 0)
+    return grad_rows.astype(rows.dtype), grad_weight.astype(weight.dtype)
+
+
+_low_precision_matmul.defvjp(_low_precision_matmul_fwd, _low_precision_matmul_bwd)
+
 
 def matmul(
-    x: Float[Array, "*batch in_features"], weight: Float[Array, "in_features out_features"]
+    x: Float[Array, "*batch in_features"],
+    weight: Float[Array, "in_features out_features"] | Float[Array, "out_features in_features"],
+    *,
+    transposed: bool = False,
 ) -> Float[Array, "*batch out_features"]:
-    """`x @ weight`; on the CPU backend with the leading dimensions of `x` flattened into
-    one.
+    """`x @ weight` (`x @ weight.T` when `transposed`); on the CPU backend with the
+    leading dimensions of `x` flattened into one.
 
     Flattened, the weight's gradient is one matmul contracting a single dimension of
     tokens. Contracting `[batch, seq]` as two dimensions, XLA's CPU backend first copies
     both operands into transposed layouts, which makes a linear layer's forward and
-    backward pass nearly twice as slow. Other backends keep `x @ weight` as written: on a
-    mesh that shards both `batch` and `seq`, the flattened form partitions with more
-    collectives.
+    backward pass nearly twice as slow. In bfloat16 or float16 the product accumulates in
+    float32, which is what sends it to the CPU's 16-bit matrix units, and a transposed
+    weight is contracted where it lies (XLA converts a transposed 16-bit operand to
+    float32). Other backends keep `x @ weight` as written: on a mesh that shards both
+    `batch` and `seq`, the flattened form partitions with more collectives.
 
     **Arguments:**
 
     - `x`: inputs with any leading dimensions.
-    - `weight`: a 2-D `[in, out]` weight.
+    - `weight`: a 2-D `[in, out]` weight, or `[out, in]` when `transposed`.
+    - `transposed`: whether `weight` is stored `[out, in]` (a tied embedding table).
 
     **Returns:**
 
     The product, with the leading dimensions of `x`.
     """
     if jax.default_backend() != "cpu":
-        return x @ weight
-    rows = x.reshape(-1, x.shape[-1]) @ weight
-    return rows.reshape(*x.shape[:-1], weight.shape[-1])
+        return x @ (weight.T if transposed else weight)
+    rows = x.reshape(-1, x.shape[-1])
+    if x.dtype == weight.dtype and x.dtype in _LOW_PRECISION:
+        rows = _low_precision_matmul(rows, weight, transposed)
+    else:
+        rows = rows @ (weight.T if transposed else weight)
+    return rows.reshape(*x.shape[:-1], rows.shape[-1])
 
 
 class Linear(eqx.Module):

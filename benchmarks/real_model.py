@@ -1,0 +1,258 @@
+"""eqdel against transformers on a real model's shapes (SmolLM2-135M-Instruct by default,
+both reading the same GGUF file), interleaved in one process: prefill, greedy decode at
+batch 1 and 8, and a full AdamW train step, in float32 and bfloat16. Prefill and training
+are also given as model-FLOP utilisation against a matmul peak measured in the same run,
+decode as bytes of weights read per second against a measured copy bandwidth.
+
+    python benchmarks/real_model.py [--model FILE.gguf] [--dtypes float32,bfloat16]
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+import transformers
+from _report import (
+    forward_flops_per_token,
+    interleaved_medians,
+    interleaved_times,
+    matmul_peak,
+    write,
+)
+
+import eqdel
+from eqdel._demo import perplexity_text_file
+from eqdel._host_memory import rerun_with_huge_pages
+from eqdel.train import causal_lm_loss, init_train_state, make_train_step
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def copy_bandwidth(megabytes: int = 1024) -> float:
+    """Bytes per second read plus written by the best of a few large float32 copies."""
+    source = np.ones(megabytes * 2**20 // 4, np.float32)
+    target = np.empty_like(source)
+    best = min(interleaved_times({"copy": lambda: np.copyto(target, source)}, 5)["copy"])
+    return 2 * source.nbytes / best
+
+
+def _sizes(config) -> dict:
+    return dict(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        vocab_size=config.vocab_size,
+    )
+
+
+def _weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter, the embedding once (the
+    tied head reads it; the lookup reads a row per token)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(model) if hasattr(leaf, "nbytes"))
+
+
+def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidth: float):
+    """Prefill, decode at batch 1 and 8, and a train step of both frameworks in `dtype`;
+    also each framework's prefill logits (float32) for the comparison across dtypes."""
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=_TORCH_DTYPES[dtype]
+    ).eval()
+    model = eqdel.from_pretrained(path, dtype=dtype, progress=False)
+    batch, seq = args.batch, args.seq
+    prefill_ids = ids[: batch * seq].reshape(batch, seq)
+    forward = jax.jit(lambda m, i: m(i).logits)
+
+    def hf_prefill():
+        with torch.no_grad():
+            return hf_model(torch.tensor(prefill_ids)).logits
+
+    start = time.perf_counter()
+    forward.lower(model, jnp.asarray(prefill_ids)).compile()
+    compile_s = time.perf_counter() - start
+    results = {"compile_prefill_s": compile_s}
+    logits = {
+        "eqdel": np.asarray(forward(model, jnp.asarray(prefill_ids)), np.float32),
+        "transformers": hf_prefill().float().numpy(),
+    }
+    logit_diff = float(np.abs(logits["eqdel"] - logits["transformers"]).max())
+    seconds = interleaved_medians(
+        {
+            "eqdel": lambda: forward(model, jnp.asarray(prefill_ids)).block_until_ready(),
+            "transformers": hf_prefill,
+        },
+        args.repeats,
+    )
+    flops = forward_flops_per_token(_sizes(model.config), seq) * batch * seq
+    results["prefill"] = {
+        name: {"tokens_per_s": batch * seq / s, "mfu": flops / s / peak}
+        for name, s in seconds.items()
+    }
+    results["prefill"]["max_abs_logit_difference"] = logit_diff
+
+    weight_bytes = _weight_bytes(model)
+    for rows in (1, 8):
+        prompt = ids[: rows * args.prompt].reshape(rows, args.prompt)
+
+        def ours(prompt=prompt):
+            return eqdel.generate(
+                model, jnp.asarray(prompt), max_new_tokens=args.new, eos_token_id=[]
+            ).block_until_ready()
+
+        def theirs(prompt=prompt):
+            with torch.no_grad():
+                return hf_model.generate(
+                    torch.tensor(prompt),
+                    max_new_tokens=args.new,
+                    min_new_tokens=args.new,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
+        same = bool(np.array_equal(np.asarray(ours()), theirs().numpy()))
+        seconds = interleaved_medians({"eqdel": ours, "transformers": theirs}, args.repeats)
+        results[f"decode_b{rows}"] = {
+            name: {
+                "tokens_per_s": rows * args.new / s,
+                "weight_bytes_per_s": weight_bytes * args.new / s,
+                "of_bandwidth": weight_bytes * args.new / s / bandwidth,
+            }
+            for name, s in seconds.items()
+        }
+        results[f"decode_b{rows}"]["tokens_identical"] = same
+
+    train_ids = {"input_ids": jnp.asarray(prefill_ids, jnp.int32)}
+    optimizer = optax.adamw(1e-5)
+    step = make_train_step(causal_lm_loss, optimizer)
+    state = init_train_state(model, optimizer, jax.random.key(0))
+    hf_model.train()
+    torch_optimizer = torch.optim.AdamW(hf_model.parameters(), lr=1e-5)
+    torch_ids = torch.tensor(prefill_ids)
+
+    def our_step():
+        nonlocal state
+        state, metrics = step(state, train_ids)
+        return float(metrics["loss"])
+
+    def their_step():
+        loss = hf_model(torch_ids, labels=torch_ids).loss
+        loss.backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    seconds = interleaved_medians({"eqdel": our_step, "transformers": their_step}, args.repeats)
+    results["train"] = {
+        name: {"tokens_per_s": batch * seq / s, "mfu": 3 * flops / s / peak}
+        for name, s in seconds.items()
+    }
+    results["weight_bytes"] = weight_bytes
+    return results, logits
+
+
+_TARGETS = {
+    "prefill": 1.0,
+    "decode_b1": 1.5,
+    "decode_b8": 2.0,
+    "train": 1.0,
+}  # eqdel / transformers throughput the performance work aims at
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    path = Path(args.model) if args.model else eqdel.smollm2_gguf()
+    tokenizer = eqdel.load_tokenizer(path)
+    ids = np.asarray(tokenizer.encode(perplexity_text_file().read_text() * 2).ids, np.int32)
+    dtypes = args.dtypes.split(",")
+    peaks = {dtype: matmul_peak(repeats=5, dtype=dtype) for dtype in dtypes}
+    bandwidth = copy_bandwidth()
+    results, logits = {}, {}
+    for dtype in dtypes:
+        results[dtype], logits[dtype] = measure(
+            path, dtype, args, ids, peaks[dtype]["xla_flops_per_s"], bandwidth
+        )
+    low = [d for d in dtypes if d != "float32"]
+    if "float32" in logits:  # how far each framework's 16-bit logits are from its float32
+        for dtype in low:
+            results[dtype]["max_abs_logit_difference_from_float32"] = {
+                name: float(np.abs(logits[dtype][name] - logits["float32"][name]).max())
+                for name in logits[dtype]
+            }
+
+    rows = []
+    for dtype, r in results.items():
+        for task, target in _TARGETS.items():
+            ours, theirs = r[task]["eqdel"], r[task]["transformers"]
+            ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            use = "of_bandwidth" if task.startswith("decode") else "mfu"
+            rows.append(
+                [
+                    dtype,
+                    task,
+                    f"{theirs['tokens_per_s']:,.1f}",
+                    f"{ours['tokens_per_s']:,.1f}",
+                    f"{ratio:.2f}x",
+                    f"{100 * ours[use]:.0f}% / {100 * theirs[use]:.0f}%",
+                    "met" if ratio >= target else f"below {target}x",
+                ]
+            )
+        compile_s = f"{r['compile_prefill_s']:.1f} s"
+        rows.append([dtype, "compile, 30-layer prefill", "", compile_s, "", "", ""])
+        if "max_abs_logit_difference_from_float32" in r:
+            gap = r["max_abs_logit_difference_from_float32"]
+            verdict = "met" if gap["eqdel"] <= gap["transformers"] else "above"
+            theirs, ours = f"{gap['transformers']:.3f}", f"{gap['eqdel']:.3f}"
+            rows.append([dtype, "logits vs own float32, max abs", theirs, ours, "", "", verdict])
+    write(
+        "real_model",
+        {
+            "model": str(path),
+            "args": vars(args),
+            "matmul_peak_flops_per_s": peaks,
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "results": results,
+        },
+        [
+            (
+                f"{path.name}, batch {args.batch} x {args.seq} (prefill, train), prompt "
+                f"{args.prompt} + {args.new} new (decode); matmul peak XLA/torch "
+                + ", ".join(
+                    f"{d} {p['xla_flops_per_s'] / 1e9:.0f}/"
+                    f"{p['torch_flops_per_s'] / 1e9:.0f} GFLOP/s"
+                    for d, p in peaks.items()
+                )
+                + f"; copy bandwidth {bandwidth / 1e9:.1f} GB/s",
+                [
+                    "dtype",
+                    "",
+                    "transformers tok/s",
+                    "eqdel tok/s",
+                    "ratio",
+                    "eqdel / transformers: MFU (decode: of bandwidth)",
+                    "target",
+                ],
+                rows,
+            )
+        ],
+    )
+
+
+if __name__ == "__main__":
+    rerun_with_huge_pages(sys.argv)
+    main()

@@ -1,0 +1,56 @@
+"""The linear layers' matmul: 16-bit products accumulate in float32 and their gradients
+equal float32 autodiff rounded to the 16-bit dtype, for `[in, out]` and transposed
+`[out, in]` weights."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqdel.nn._linear import matmul
+
+BF16_ULP = 2.0**-7  # the relative spacing of bfloat16 numbers
+
+
+def _loss(x, weight, cotangent, transposed):
+    out = matmul(x, weight, transposed=transposed)
+    return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bfloat16_matmul_and_gradients_equal_float32_rounded(getkey, transposed):
+    x = jax.random.normal(getkey(), (3, 7, 48), jnp.float32).astype(jnp.bfloat16)
+    shape = (40, 48) if transposed else (48, 40)
+    weight = jax.random.normal(getkey(), shape, jnp.float32).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(getkey(), (3, 7, 40), jnp.float32)
+
+    out = matmul(x, weight, transposed=transposed)
+    grads = jax.grad(_loss, argnums=(0, 1))(x, weight, cotangent, transposed)
+
+    x32, w32 = x.astype(jnp.float32), weight.astype(jnp.float32)
+    want_out = matmul(x32, w32, transposed=transposed)
+    # The reference gradient with respect to the bfloat16 output, then through float32.
+    want = jax.grad(_loss, argnums=(0, 1))(
+        x32, w32, cotangent.astype(jnp.bfloat16).astype(jnp.float32), transposed
+    )
+    assert out.dtype == jnp.bfloat16 and out.shape == (3, 7, 40)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(want_out), rtol=BF16_ULP, atol=1e-6
+    )
+    for got, ref, original in zip(grads, want, (x, weight)):
+        assert got.dtype == jnp.bfloat16 and got.shape == original.shape
+        scale = float(jnp.max(jnp.abs(ref)))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(ref), rtol=BF16_ULP, atol=BF16_ULP * scale
+        )
+
+
+def test_float32_matmul_is_the_plain_product(getkey):
+    x = jax.random.normal(getkey(), (2, 5, 16))
+    weight = jax.random.normal(getkey(), (24, 16))
+    np.testing.assert_allclose(
+        np.asarray(matmul(x, weight, transposed=True)),
+        np.asarray(jnp.einsum("bsi,oi->bso", x, weight)),
+        rtol=1e-6,
+        atol=1e-6,
+    )
