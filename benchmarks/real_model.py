@@ -134,7 +134,7 @@ def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidt
     state = init_train_state(model, optimizer, jax.random.key(0))
     hf_model.train()
     torch_optimizer = torch.optim.AdamW(hf_model.parameters(), lr=1e-5)
-    torch_ids = torch.tensor(prefill_ids)
+    torch_ids = torch.tensor(prefill_ids, dtype=torch.long)
 
     def our_step():
         nonlocal state
