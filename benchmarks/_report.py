@@ -53,6 +53,41 @@ def matmul_peak(size: int = 2048, repeats: int = 10, dtype: str = "float32") -> 
     }
 
 
+def torch_greedy(hf_model, ids, new_tokens: int):
+    """A callable running transformers' greedy `generate` of exactly `new_tokens` after
+    the prompts `ids` (`[batch, prompt]`), returning the token tensor."""
+    prompt = torch.tensor(ids)
+
+    def run():
+        with torch.no_grad():
+            return hf_model.generate(
+                prompt,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    return run
+
+
+def torch_train_step(hf_model, ids, lr: float):
+    """A callable running one AdamW step of `hf_model` (put in training mode) on the
+    causal-LM loss of `ids`, returning the loss."""
+    hf_model.train()
+    optimizer = torch.optim.AdamW(hf_model.parameters(), lr=lr)
+    tokens = torch.tensor(ids, dtype=torch.long)
+
+    def step():
+        loss = hf_model(tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
 def machine() -> dict:
     return {
         "platform": platform.platform(),

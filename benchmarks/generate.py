@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
-from _report import LLAMA_SIZES, write
+from _report import LLAMA_SIZES, torch_greedy, write
 
 import eqdel
 from eqdel._host_memory import rerun_with_huge_pages
@@ -54,16 +54,7 @@ def main():
                 "tokens": np.asarray(run()).tolist(),
             }
 
-    def hf_run():
-        with torch.no_grad():
-            return hf_model.generate(
-                torch.tensor(ids),
-                max_new_tokens=args.new,
-                min_new_tokens=args.new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-
+    hf_run = torch_greedy(hf_model, ids, args.new)
     seconds = _seconds(hf_run)
     hf_tokens = hf_run().numpy()
     results["transformers"] = {"tokens_per_s": args.batch * args.new / seconds}

@@ -23,6 +23,8 @@ from _report import (
     interleaved_medians,
     interleaved_times,
     matmul_peak,
+    torch_greedy,
+    torch_train_step,
     write,
 )
 
@@ -106,16 +108,7 @@ def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidt
                 model, jnp.asarray(prompt), max_new_tokens=args.new, eos_token_id=[]
             ).block_until_ready()
 
-        def theirs(prompt=prompt):
-            with torch.no_grad():
-                return hf_model.generate(
-                    torch.tensor(prompt),
-                    max_new_tokens=args.new,
-                    min_new_tokens=args.new,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-
+        theirs = torch_greedy(hf_model, prompt, args.new)
         same = bool(np.array_equal(np.asarray(ours()), theirs().numpy()))
         seconds = interleaved_medians({"eqdel": ours, "transformers": theirs}, args.repeats)
         results[f"decode_b{rows}"] = {
@@ -132,21 +125,12 @@ def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidt
     optimizer = optax.adamw(1e-5)
     step = make_train_step(causal_lm_loss, optimizer)
     state = init_train_state(model, optimizer, jax.random.key(0))
-    hf_model.train()
-    torch_optimizer = torch.optim.AdamW(hf_model.parameters(), lr=1e-5)
-    torch_ids = torch.tensor(prefill_ids, dtype=torch.long)
+    their_step = torch_train_step(hf_model, prefill_ids, lr=1e-5)
 
     def our_step():
         nonlocal state
         state, metrics = step(state, train_ids)
         return float(metrics["loss"])
-
-    def their_step():
-        loss = hf_model(torch_ids, labels=torch_ids).loss
-        loss.backward()
-        torch_optimizer.step()
-        torch_optimizer.zero_grad(set_to_none=True)
-        return loss.item()
 
     seconds = interleaved_medians({"eqdel": our_step, "transformers": their_step}, args.repeats)
     results["train"] = {

@@ -21,6 +21,7 @@ from _report import (
     forward_flops_per_token,
     interleaved_medians,
     matmul_peak,
+    torch_train_step,
     write,
 )
 
@@ -62,17 +63,7 @@ def throughput(batch: int, seq: int, vocab: int, steps: int, peak: float) -> dic
         steps_by_name[name] = _eqdel_stepper(model, batch_arrays)
         first_losses[name] = steps_by_name[name]()
 
-    hf_model.train()
-    torch_optimizer = torch.optim.AdamW(hf_model.parameters(), lr=1e-4)
-    torch_ids = torch.tensor(ids)
-
-    def torch_step():
-        loss = hf_model(torch_ids, labels=torch_ids).loss
-        loss.backward()
-        torch_optimizer.step()
-        torch_optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-
+    torch_step = torch_train_step(hf_model, ids, lr=1e-4)
     first_losses["torch"] = torch_step()
     seconds = interleaved_medians({**steps_by_name, "torch": torch_step}, steps)
     torch_s = seconds.pop("torch")
