@@ -8,6 +8,7 @@ from jaxtyping import Array, Bool, Float, Int, Int8
 
 from . import axes as ax
 from ._field import field
+from ._unstack import unstack_layers
 
 _KV_AXES = (ax.BATCH, ax.KV_LENGTH, ax.KV_HEAD, ax.KV_HEAD_DIM)
 _SCALE_AXES = (ax.BATCH, ax.KV_LENGTH, ax.KV_HEAD)
@@ -88,7 +89,7 @@ class KVCache(eqx.Module):
     - `length`: number of slots written.
     """
 
-    layers: KVLayer
+    layers: KVLayer | tuple[KVLayer, ...]
     valid: Bool[Array, "batch max_length"] = field(axes=(ax.BATCH, ax.KV_LENGTH))
     length: Int[Array, ""]
 
@@ -115,6 +116,21 @@ class KVCache(eqx.Module):
         else:
             stacked = KVLayer(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), None, None)
         return cls(stacked, jnp.zeros((batch, max_length), bool), jnp.zeros((), jnp.int32))
+
+    def unstacked(self) -> "KVCache":
+        """This cache with `layers` as a tuple of one [`eqdel.KVLayer`][] per layer, the
+        form a model with unstacked layers ([`eqdel.nn.unstack_layers`][]) updates in
+        place."""
+        if isinstance(self.layers, tuple):
+            return self
+        return KVCache(unstack_layers(self.layers), self.valid, self.length)
+
+    def stacked(self) -> "KVCache":
+        """This cache with `layers` as one [`eqdel.KVLayer`][] stacked over layers."""
+        if not isinstance(self.layers, tuple):
+            return self
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *self.layers)
+        return KVCache(layers, self.valid, self.length)
 
     @property
     def max_length(self) -> int:

@@ -85,12 +85,25 @@ def decode_step(model, state: DecodeState, config: GenerationConfig) -> DecodeSt
 def _generate(model, input_ids, attention_mask, key, config: GenerationConfig):
     state = prefill(model, input_ids, attention_mask, config, key)
     total = input_ids.shape[1] + config.max_new_tokens
+    if jax.default_backend() == "cpu":
+        model, state = _unstacked(model, state)
 
     def running(state):
         return (state.length < total) & ~jnp.all(state.finished)
 
     state = jax.lax.while_loop(running, lambda s: decode_step(model, s, config), state)
     return state.tokens
+
+
+def _unstacked(model, state: DecodeState):
+    """The model and cache with one array per layer, for the decode steps. On the CPU
+    backend, slicing a layer out of the stacked weights inside the loop copies it on
+    every step; split once before the loop, each step reads the weights where they lie
+    (SmolLM2-135M, batch 1: 21 -> 30 tokens/s in float32, 17 -> 28 in bfloat16). The
+    split holds a second copy of the decoder weights while generating, so other
+    backends keep the stacked layers."""
+    kwargs = dict(state.model_kwargs, cache=state.model_kwargs["cache"].unstacked())
+    return model.unstacked(), dataclasses.replace(state, model_kwargs=kwargs)
 
 
 def _config(model, generation_config, overrides) -> GenerationConfig:

@@ -127,6 +127,29 @@ def test_scan_and_unrolled_layers_are_identical(kv_heads, tmp_path):
     np.testing.assert_allclose(a, hf_logits(hf_model, np.asarray(ids)), rtol=0, atol=TOL)
 
 
+def test_unstacked_layers_equal_stacked_with_and_without_cache(tmp_path):
+    model = load(tmp_path, make_hf_model("llama", num_hidden_layers=3))
+    split = model.unstacked()
+    assert isinstance(split.model.layers, tuple) and len(split.model.layers) == 3
+    ids = jnp.asarray(random_ids(2, 9))
+    call = jax.jit(lambda m, i, c: m(i, cache=c))
+    stacked_out = call(model, ids, model.init_cache(2, 12))
+    split_out = call(split, ids, model.init_cache(2, 12).unstacked())
+    np.testing.assert_allclose(split_out.logits, stacked_out.logits, rtol=0, atol=1e-6)
+    assert isinstance(split_out.cache.layers, tuple)
+    for got, want in zip(
+        jax.tree.leaves(split_out.cache.stacked()), jax.tree.leaves(stacked_out.cache)
+    ):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    token = jnp.asarray(random_ids(2, 1))
+    # Each form accepts the other's cache and returns the cache in the form it was given.
+    mixed = call(split, token, stacked_out.cache)
+    assert not isinstance(mixed.cache.layers, tuple)
+    np.testing.assert_allclose(
+        mixed.logits, call(model, token, stacked_out.cache).logits, rtol=0, atol=1e-6
+    )
+
+
 def test_hidden_states_and_inputs_embeds_match_transformers(tmp_path):
     import torch
 

@@ -29,7 +29,7 @@ def _settle(h: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed
 
 
 def run_decoder_layers(
-    layers: eqx.Module,
+    layers: eqx.Module | tuple[eqx.Module, ...],
     call: Callable,
     h: Float[Array, "batch seq embed"],
     token_valid: Bool[Array, "batch seq"],
@@ -43,7 +43,7 @@ def run_decoder_layers(
 
     **Arguments:**
 
-    - `layers`: the stacked layers.
+    - `layers`: the stacked layers, or a tuple of one module per layer.
     - `call`: `call(layer, h, mask, kv, write_index) -> (h, kv, router_logits)`.
     - `h`: the embedded tokens.
     - `token_valid`: `False` at padding.
@@ -70,6 +70,14 @@ def run_decoder_layers(
         key_valid = jax.lax.dynamic_update_slice(cache.valid, token_valid, (0, write))
         kv = cache.layers
     windows = jnp.asarray(config.layer_windows, jnp.int32)
+    unstacked = isinstance(layers, tuple)
+    cache_unstacked = cache is not None and isinstance(cache.layers, tuple)
+    if unstacked:
+        if not cache_unstacked and kv is not None:
+            kv = cache.unstacked().layers
+        xs = tuple(zip(windows, kv or (None,) * len(layers), strict=True))
+    else:
+        xs = (windows, cache.stacked().layers if cache_unstacked else kv)
 
     def step(layer, h, inputs):
         window, layer_kv = inputs
@@ -79,14 +87,18 @@ def run_decoder_layers(
         return out, (out if output_hidden_states else None, layer_kv, router_logits)
 
     inputs = h
-    h, (per_layer, kv, router_logits) = run_layers(
-        layers, step, h, (windows, kv), scan=config.scan_layers, remat=config.remat_policy
-    )
+    h, ys = run_layers(layers, step, h, xs, scan=config.scan_layers, remat=config.remat_policy)
+    if unstacked:
+        per_layer, kv, router_logits = (tuple(y) for y in zip(*ys, strict=True))
+        router_logits = None if router_logits[0] is None else jnp.stack(router_logits)
+    else:
+        per_layer, kv, router_logits = ys
     if cache is not None:
         cache = KVCache(kv, key_valid, write + seq)
+        cache = cache.unstacked() if cache_unstacked else cache.stacked()
     states = None
     if output_hidden_states:
-        states = (inputs, *(per_layer[i] for i in range(per_layer.shape[0] - 1)))
+        states = (inputs, *(per_layer[i] for i in range(len(per_layer) - 1)))
     return h, states, cache, router_logits
 
 
@@ -153,6 +165,14 @@ class CausalLM(eqx.Module):
         return CausalLMOutput(
             logits=self.head(h), hidden_states=states, cache=cache, router_logits=router_logits
         )
+
+    def unstacked(self) -> "CausalLM":
+        """This model with its decoder layers split into one module each, run one after
+        another rather than by `lax.scan`: the form the decode loop of
+        [`eqdel.generate`][] uses, where each step then reads every layer's weights in
+        place (slicing stacked weights inside the loop copies them on every step). The
+        results equal the stacked model's."""
+        return eqx.tree_at(lambda m: m.get_decoder(), self, self.get_decoder().unstacked())
 
     # -- generation -------------------------------------------------------------------------
 

@@ -12,7 +12,15 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .. import axes as ax
 from .._cache import KVCache, KVLayer
 from ..attention import ATTENTION_MECHANISMS, AttentionMask, attention
-from ..nn import REMAT_POLICIES, Embedding, LayerNorm, Linear, activation, stack_layers
+from ..nn import (
+    REMAT_POLICIES,
+    Embedding,
+    LayerNorm,
+    Linear,
+    activation,
+    stack_layers,
+    unstack_layers,
+)
 from ._causal_lm import CausalLM, run_decoder_layers
 
 
@@ -249,7 +257,7 @@ class GPT2Model(eqx.Module):
 
     wte: Embedding
     wpe: Embedding
-    h: GPT2Block
+    h: GPT2Block | tuple[GPT2Block, ...]
     ln_f: LayerNorm
     config: GPT2Config = eqx.field(static=True)
 
@@ -287,6 +295,10 @@ class GPT2Model(eqx.Module):
         )
         h = self.ln_f(h)
         return h, None if states is None else (*states, h), cache, None
+
+    def unstacked(self) -> "GPT2Model":
+        """This decoder with one module per layer ([`eqdel.nn.unstack_layers`][])."""
+        return eqx.tree_at(lambda d: d.h, self, unstack_layers(self.h))
 
 
 class GPT2LMHeadModel(CausalLM):

@@ -26,6 +26,7 @@ from ..nn import (
     RMSNorm,
     RotaryEmbedding,
     stack_layers,
+    unstack_layers,
 )
 from ..nn._rotary import freeze_parameters
 from ._causal_lm import CausalLM, run_decoder_layers
@@ -378,7 +379,7 @@ class LlamaModel(eqx.Module):
     """Embeddings, the stacked decoder layers and the final norm."""
 
     embed_tokens: Embedding
-    layers: eqx.Module
+    layers: eqx.Module | tuple[eqx.Module, ...]
     norm: RMSNorm
     rotary_emb: RotaryEmbedding
     config: LlamaConfig = eqx.field(static=True)
@@ -456,6 +457,10 @@ class LlamaModel(eqx.Module):
         if output_hidden_states:
             states = (*states, h)
         return h, states, cache, router_logits
+
+    def unstacked(self) -> "LlamaModel":
+        """This decoder with one module per layer ([`eqdel.nn.unstack_layers`][])."""
+        return eqx.tree_at(lambda d: d.layers, self, unstack_layers(self.layers))
 
 
 class LlamaForCausalLM(CausalLM):

@@ -16,4 +16,5 @@ from ._stacked import (
     REMAT_POLICIES as REMAT_POLICIES,
     run_layers as run_layers,
     stack_layers as stack_layers,
+    unstack_layers as unstack_layers,
 )

@@ -6,6 +6,8 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from .._unstack import unstack_layers as unstack_layers
+
 
 def stack_layers(make: Callable[[PRNGKeyArray], eqx.Module], key: PRNGKeyArray, count: int):
     """Build `count` layers with one call of `make` under `filter_vmap`.
@@ -38,7 +40,7 @@ store every activation; `full`: recompute each layer in the backward pass)."""
 
 
 def run_layers(
-    stacked: eqx.Module,
+    stacked: eqx.Module | tuple[eqx.Module, ...],
     step: Callable,
     carry,
     xs=None,
@@ -50,21 +52,25 @@ def run_layers(
 
     **Arguments:**
 
-    - `stacked`: layers from [`eqdel.nn.stack_layers`][].
+    - `stacked`: layers from [`eqdel.nn.stack_layers`][], or a tuple of layers from
+        [`eqdel.nn.unstack_layers`][] (run one after another).
     - `step`: applies one layer.
     - `carry`: what flows from layer to layer (the hidden states).
-    - `xs`: per-layer inputs (arrays with a leading layer dimension), or `None`.
+    - `xs`: per-layer inputs (arrays with a leading layer dimension; for a tuple of
+        layers, a tuple with one entry per layer), or `None`.
     - `scan`: `lax.scan` over the layers (compile time flat in depth); `False` unrolls
         them. Both agree to float rounding.
     - `remat`: a name from [`eqdel.nn.REMAT_POLICIES`][], applied to each layer.
 
     **Returns:**
 
-    `(carry, ys)` with `ys` stacked over layers, as `lax.scan` returns.
+    `(carry, ys)` with `ys` stacked over layers, as `lax.scan` returns (for a tuple of
+    layers, a tuple of each layer's `y`).
     """
     if remat not in REMAT_POLICIES:
         raise ValueError(f"Unknown remat policy {remat!r}; known: {sorted(REMAT_POLICIES)}.")
-    dynamic, static = eqx.partition(stacked, eqx.is_array)
+    layers = stacked if isinstance(stacked, tuple) else (stacked,)
+    static = eqx.partition(layers[0], eqx.is_array)[1]
 
     def body(carry, inputs):
         layer, x = inputs
@@ -73,4 +79,10 @@ def run_layers(
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
 
-    return jax.lax.scan(body, carry, (dynamic, xs), unroll=not scan)
+    if isinstance(stacked, tuple):
+        ys = []
+        for layer, x in zip(stacked, xs or (None,) * len(stacked), strict=True):
+            carry, y = body(carry, (eqx.filter(layer, eqx.is_array), x))
+            ys.append(y)
+        return carry, tuple(ys)
+    return jax.lax.scan(body, carry, (eqx.filter(stacked, eqx.is_array), xs), unroll=not scan)
