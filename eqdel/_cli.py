@@ -79,23 +79,16 @@ def _finetune(args) -> int:
 def _load(path: str, **kwargs):
     """A model with its tokenizer and generation defaults, from a checkpoint directory
     or a GGUF file."""
-    import dataclasses
     from pathlib import Path
 
     from ._generation_config import GenerationConfig
     from ._tokenizer import load_tokenizer
     from .checkpoint import from_pretrained
-    from .checkpoint._gguf import is_gguf
 
     path = Path(path)
     tokenizer = load_tokenizer(path)
     model = from_pretrained(path, progress=False, **kwargs)
     defaults = GenerationConfig.from_model_config(model.config)
-    if not is_gguf(path):
-        saved = GenerationConfig.from_pretrained(path)
-        pad = defaults.pad_token_id if saved.pad_token_id is None else saved.pad_token_id
-        eos = saved.eos_token_id or defaults.eos_token_id
-        defaults = dataclasses.replace(saved, eos_token_id=eos, pad_token_id=pad)
     return model, tokenizer, defaults
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from ._generation_config import GenerationConfig
@@ -29,6 +30,12 @@ def _seen(tokens, valid, vocab: int):
 
 
 def _choose(logits, tokens, valid, finished, config: GenerationConfig, key, pad):
+    logits = eqx.error_if(
+        logits,
+        ~jnp.all(jnp.isfinite(logits)),
+        "generate: the model's logits hold NaN or inf; its weights or activations "
+        "overflow (a float16 model, a diverged fine-tune?).",
+    )
     seen = None
     if config.repetition_penalty != 1.0:
         seen = _seen(tokens, valid, logits.shape[-1])
@@ -106,6 +113,30 @@ def _unstacked(model, state: DecodeState):
     return model.unstacked(), dataclasses.replace(state, model_kwargs=kwargs)
 
 
+def _check_prompt(model, input_ids, attention_mask) -> None:
+    """Refuse prompts the model cannot continue, naming what is wrong."""
+    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+        raise ValueError(
+            f"input_ids must be [batch, prompt] with at least one token, not {input_ids.shape}."
+        )
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask {attention_mask.shape} must have the shape of input_ids "
+            f"{input_ids.shape}."
+        )
+    if isinstance(input_ids, jax.core.Tracer):
+        return
+    vocab = model.config.vocab_size
+    ids = np.asarray(input_ids)
+    if ids.min() < 0 or ids.max() >= vocab:
+        bad = ids[(ids < 0) | (ids >= vocab)][0]
+        raise ValueError(f"input_ids holds token {bad}, outside the vocabulary [0, {vocab}).")
+    if attention_mask is not None and not isinstance(attention_mask, jax.core.Tracer):
+        empty = np.flatnonzero(~np.asarray(attention_mask).astype(bool).any(axis=1))
+        if empty.size:
+            raise ValueError(f"prompt row {empty[0]} is all padding (attention_mask is 0).")
+
+
 def _config(model, generation_config, overrides) -> GenerationConfig:
     base = generation_config or GenerationConfig.from_model_config(model.config)
     return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
@@ -150,6 +181,11 @@ def generate(
 
     `[batch, prompt + max_new_tokens]` token ids: the prompts, then the new tokens (pad
     after a row's end token).
+
+    **Raises:**
+
+    `ValueError` for an empty prompt, a token outside the vocabulary or a row that is all
+    padding; an error naming the cause when the logits turn NaN or inf.
     """
     config = _config(
         model,
@@ -166,6 +202,7 @@ def generate(
             pad_token_id=pad_token_id,
         ),
     )
+    _check_prompt(model, input_ids, attention_mask)
     key = jax.random.key(0) if key is None else key
     return _generate(model, input_ids, attention_mask, key, config)
 
@@ -183,6 +220,7 @@ def stream_generate(
     are chosen, for interactive use. Each step is one compiled call; the tokens equal
     those of `generate` with the same arguments."""
     config = _config(model, generation_config, overrides)
+    _check_prompt(model, input_ids, attention_mask)
     key = jax.random.key(0) if key is None else key
     prompt = input_ids.shape[1]
     state = _jit_prefill(model, input_ids, attention_mask, config, key)

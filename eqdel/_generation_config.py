@@ -60,7 +60,10 @@ class GenerationConfig:
 
     @classmethod
     def from_model_config(cls, config, **overrides) -> "GenerationConfig":
-        """Defaults for a model: its config's end and pad tokens."""
+        """Defaults for a model: the generation config it was loaded with, else its
+        config's end and pad tokens."""
+        if (loaded := getattr(config, "generation_config", None)) is not None:
+            return dataclasses.replace(loaded, **overrides)
         values = dict(
             eos_token_id=getattr(config, "eos_token_id", None) or (),
             pad_token_id=getattr(config, "pad_token_id", None),
@@ -70,8 +73,10 @@ class GenerationConfig:
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> "GenerationConfig":
         """Read a transformers `generation_config.json` dict; unknown keys are ignored."""
+        floats = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, float)}
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in hf.items() if k in names and v is not None}
+        values.update({k: float(v) for k, v in values.items() if k in floats})
         values.update(overrides)
         return cls(**values)
 

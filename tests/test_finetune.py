@@ -2,8 +2,12 @@
 write adapters, and the outputs a user looks at are there."""
 
 import json
+import random
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -13,6 +17,7 @@ from tiny import WORD_LLAMA, corpus_file, train_tokenizer
 import eqdel
 from eqdel._finetune import FinetuneOptions, finetune
 from eqdel.models import LlamaForCausalLM
+from eqdel.train import latest_train_step
 
 OPTIONS = FinetuneOptions(steps=6, batch_size=4, block_size=16, learning_rate=3e-3, warmup_steps=2)
 
@@ -104,3 +109,47 @@ def test_cli_errors_name_the_problem(base, tmp_path):
         text=True,
     )
     assert too_big.returncode == 2 and "do not fill one block of 4096" in too_big.stderr
+
+
+KILLED_RUN = """
+import json, sys
+import jax
+jax.config.update("jax_platforms", "cpu")
+from eqdel._finetune import FinetuneOptions, finetune
+from tiny import corpus_file
+base, output, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+finetune(base, corpus_file(), output, FinetuneOptions(**options), progress=False)
+"""
+
+
+def test_run_killed_at_a_random_moment_resumes_bit_identically(base, tmp_path):
+    options = {**vars(OPTIONS), "steps": 10, "save_every": 1}
+    straight = finetune(
+        base, corpus_file(), tmp_path / "straight", FinetuneOptions(**options), progress=False
+    )
+    killed = tmp_path / "killed"
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RUN, str(base), str(killed), json.dumps(options)],
+        cwd=Path(__file__).parent,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while latest_train_step(killed / "checkpoints") is None:
+            assert child.poll() is None and time.monotonic() < deadline, child.stderr.read()
+            time.sleep(0.005)
+        time.sleep(random.uniform(0, 0.3))
+        assert child.poll() is None, "the run ended before the kill; kill sooner"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+    done = latest_train_step(killed / "checkpoints")
+    assert done < options["steps"]
+    again = finetune(base, corpus_file(), killed, FinetuneOptions(**options), progress=False)
+    np.testing.assert_array_equal(again.losses, straight.losses[done:])
+    for a, b in zip(weights(again.model_dir), weights(straight.model_dir), strict=True):
+        np.testing.assert_array_equal(a, b)
+    records = [json.loads(line) for line in again.metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, options["steps"] + 1))

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from hf_reference import random_ids
-from tiny import TINY_LLAMA
+from tiny import TINY_LLAMA, array_leaves
 
 import eqdel
 from eqdel.models import LlamaConfig, LlamaForCausalLM
@@ -34,16 +34,6 @@ OPTIMIZER = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
 def fresh_state(seed: int):
     model = LlamaForCausalLM(CONFIG, key=jax.random.key(seed))
     return init_train_state(model, OPTIMIZER, jax.random.key(seed + 100))
-
-
-def array_leaves(state):
-    leaves = jax.tree.leaves(eqx.filter(state, eqx.is_array))
-    return [
-        np.asarray(
-            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-        )
-        for x in leaves
-    ]
 
 
 def assert_identical(a, b):

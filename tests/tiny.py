@@ -1,7 +1,11 @@
-"""The tiny models and data the tests share."""
+"""The tiny models and data the tests share, and how they compare states."""
 
 import importlib.resources
 from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
 
 from eqdel.models import LlamaConfig
 
@@ -49,3 +53,14 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
+
+
+def array_leaves(tree) -> list[np.ndarray]:
+    """Every array of `tree` on the host, PRNG keys as their raw data."""
+    leaves = jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+    return [
+        np.asarray(
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        )
+        for x in leaves
+    ]

@@ -1,5 +1,6 @@
 """`from_pretrained`: a Hugging Face checkpoint directory to a (sharded) eqdel model."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
+from .._generation_config import GenerationConfig
 from .._placement import placements
 from .._quant import QUANT_METHOD, quantize
 from .._sharding_config import ShardingConfig
@@ -36,14 +38,34 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{file}: not valid JSON ({error}).") from None
 
 
+def _saved_generation_config(path: Path, config) -> GenerationConfig | None:
+    """The checkpoint's `generation_config.json` (if any), with the end and pad tokens of
+    `config` where it names none."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return None
+    defaults = GenerationConfig.from_model_config(config)
+    try:
+        saved = GenerationConfig.from_hf(json.loads(file.read_text()))
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{file}: not valid JSON ({error}).") from None
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"{file}: {error}") from None
+    return dataclasses.replace(
+        saved,
+        eos_token_id=saved.eos_token_id or defaults.eos_token_id,
+        pad_token_id=defaults.pad_token_id if saved.pad_token_id is None else saved.pad_token_id,
+    )
+
+
 def _weight_files(path: Path) -> dict[str, Path]:
     """Tensor name → the safetensors file holding it."""
     index = path / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
-            raise CheckpointError(f"{index}: not a safetensors index ({error}).") from None
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index}: not a safetensors index ({error!r}).") from None
         files = {name: path / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
@@ -87,7 +109,7 @@ class _Reader:
             ) from None
 
 
-def _check_names(layout: list[HFTensor], skeleton_leaves, reader, tied: bool) -> None:
+def _check_names(layout: list[HFTensor], skeleton_leaves, reader, tied: bool, path) -> None:
     expected = {
         name
         for t, leaf in zip(layout, skeleton_leaves)
@@ -106,7 +128,7 @@ def _check_names(layout: list[HFTensor], skeleton_leaves, reader, tied: bool) ->
     if unexpected:
         problems.append(f"unexpected weights: {', '.join(unexpected)}")
     if problems:
-        raise CheckpointError("Checkpoint does not fit the model; " + "; ".join(problems) + ".")
+        raise CheckpointError(f"{path} does not fit the model; " + "; ".join(problems) + ".")
 
 
 def _check_shapes(layout, skeleton_leaves, reader, source: str) -> None:
@@ -123,9 +145,14 @@ def _check_shapes(layout, skeleton_leaves, reader, source: str) -> None:
 
 
 def _cast(array: np.ndarray, dtype, name: str) -> np.ndarray:
+    floating = np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16
+    if jnp.issubdtype(dtype, jnp.floating) and not floating:
+        raise CheckpointError(
+            f"{name} is stored as {array.dtype.name}, but it is a floating-point weight."
+        )
     with np.errstate(over="ignore"):
         out = array.astype(dtype)
-    if np.issubdtype(array.dtype, np.floating) or array.dtype == jnp.bfloat16:
+    if floating:
         overflow = ~np.isfinite(out.astype(np.float32)) & np.isfinite(array.astype(np.float32))
         if overflow.any():
             raise CheckpointError(
@@ -230,6 +257,9 @@ def from_pretrained(
             f"{sorted(MODEL_TYPES)}."
         )
     config = config_class(model_type).from_hf_config(hf, **config_overrides)
+    if reader is None and "generation_config" not in config_overrides:
+        generation = _saved_generation_config(path, config)
+        config = dataclasses.replace(config, generation_config=generation)
     model_class = MODEL_TYPES[model_type]
     quantization = _quantization(path, hf)
     skeleton = eqx.filter_eval_shape(
@@ -239,7 +269,7 @@ def from_pretrained(
     if reader is None:
         reader = _Reader(_weight_files(path))
     skeleton_leaves = jax.tree.leaves(skeleton)
-    _check_names(layout, skeleton_leaves, reader, config.tie_word_embeddings)
+    _check_names(layout, skeleton_leaves, reader, config.tie_word_embeddings, path)
     _check_shapes(layout, skeleton_leaves, reader, source)
 
     if sharding is None:

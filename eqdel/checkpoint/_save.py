@@ -1,10 +1,11 @@
 """`save_pretrained`: an eqdel model to a Hugging Face checkpoint directory."""
 
+import glob
 import json
 import os
 import re
 import shutil
-import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,19 +19,23 @@ from .._quant import quantization_config
 from .._tokenizer import save_tokenizer
 from ._layout import get_path, hf_layout
 from ._load import INDEX_FILE, SINGLE_FILE
+from ._replace import replace_directory
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in `size`: an int, or a string such as `"5GB"` or `"500MiB"`."""
-    if isinstance(size, int):
-        return size
-    match = _SIZE.match(size)
-    if not match:
+    """Bytes in `size`: a positive int, or a string such as `"5GB"` or `"500MiB"`."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        count = size
+    elif isinstance(size, str) and (match := _SIZE.match(size)):
+        count = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+    else:
         raise ValueError(f"max_shard_size {size!r} is not a size such as '5GB' or '200MiB'.")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+    if count <= 0:
+        raise ValueError(f"max_shard_size {size!r} must be a positive number of bytes.")
+    return count
 
 
 def _to_host(leaf: jax.Array) -> np.ndarray:
@@ -97,38 +102,53 @@ def save_pretrained(
     in `config.json`; eqdel loads it back, transformers does not), with its generation
     config and, when given, its tokenizer and chat template.
 
-    Everything is written to a temporary directory beside `path` and moved into place at
-    the end, so a failure never leaves a half-written checkpoint where a good one was.
-    Sharded parameters are gathered to the host one at a time. With several processes,
-    every process takes part in the gathers and process 0 writes.
+    Into an existing directory, only eqdel's own files are replaced: the config, the
+    generation config, the weights (stale shards of an earlier save are removed) and the
+    tokenizer files when a tokenizer (or chat template) is given. Every other file stays
+    as it was. The new files are written beside `path` and published in one atomic
+    step, so a failure or a kill at any moment leaves either the old or the new
+    checkpoint, complete. Arguments are checked before anything is written. Sharded
+    parameters are gathered to the host one at a time. With several processes, every
+    process takes part in the gathers and process 0 writes.
 
     **Arguments:**
 
     - `model`: an eqdel causal LM.
-    - `path`: the output directory (replaced if it exists).
+    - `path`: the output directory.
     - `max_shard_size`: largest safetensors file, in bytes or as `"5GB"`; above it the
         weights are split with a `model.safetensors.index.json`.
     - `tokenizer`: a `tokenizers.Tokenizer` (from [`eqdel.load_tokenizer`][]) to write
         as `tokenizer.json` with a `tokenizer_config.json` naming the special tokens.
     - `chat_template`: a [`eqdel.ChatTemplate`][] (or its source) for
         `chat_template.jinja`; needs `tokenizer`.
-    - `generation_config`: for `generation_config.json` (default: the end and pad
-        tokens of the model config).
+    - `generation_config`: for `generation_config.json` (default: the one the model was
+        loaded with, else the end and pad tokens of the model config).
 
     **Returns:**
 
     The output directory.
+
+    **Raises:**
+
+    `ValueError` for a bad `max_shard_size` or a chat template without its tokenizer;
+    `OSError` naming `path` when it is a file or cannot be written.
     """
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()  # write where the link points; the link stays
     max_bytes = parse_size(max_shard_size)
     if chat_template is not None and tokenizer is None:
         raise ValueError("a chat template is saved with its tokenizer; pass tokenizer= too.")
+    _check_writable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if jax.process_index() != 0:
         for _ in _tensors(model):  # take part in the gathers; process 0 writes
             pass
         return path
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.eqdel-save-*"):
+        shutil.rmtree(leftover, ignore_errors=True)  # from a save that was killed
+    staging = path.with_name(f".{path.name}.eqdel-save-{uuid.uuid4().hex[:12]}")
+    staging.mkdir()
     try:
         hf_config = model.config.to_hf_config()
         if (quantization := quantization_config(model)) is not None:
@@ -141,25 +161,31 @@ def save_pretrained(
             source = getattr(chat_template, "source", chat_template)
             save_tokenizer(tokenizer, model.config, staging, source)
         _write_shards(model, staging, max_bytes)
-        _replace_directory(staging, path)
+        with_tokenizer = tokenizer is not None
+        replace_directory(staging, path, lambda name: _replaced(name, with_tokenizer))
     finally:
         if staging.exists():
             shutil.rmtree(staging)
     return path
 
 
-def _replace_directory(new: Path, target: Path) -> None:
-    """Move `new` to `target`; an existing `target` is moved aside first and removed only
-    once `new` is in place."""
-    if not target.exists():
-        os.rename(new, target)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-    os.rename(target, aside / target.name)
-    try:
-        os.rename(new, target)
-    except OSError:
-        os.rename(aside / target.name, target)
-        raise
-    finally:
-        shutil.rmtree(aside)
+_OWN_FILES = frozenset({"config.json", "generation_config.json", SINGLE_FILE, INDEX_FILE})
+_TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"})
+_SHARD = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def _replaced(name: str, with_tokenizer: bool) -> bool:
+    """Whether a save replaces (or, for a stale shard, removes) the file `name`."""
+    own = name in _OWN_FILES or _SHARD.match(name) is not None
+    return own or (with_tokenizer and name in _TOKENIZER_FILES)
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse, before anything is written, a `path` that is a file or cannot be written."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} is a file; save_pretrained writes a directory.")
+    existing = path if path.exists() else next(p for p in path.parents if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"{existing} is not writable; nothing was saved to {path}.")
+    if path.exists() and not os.access(path.parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"{path.parent} is not writable; nothing was saved to {path}.")

@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
 from .._cache import KVCache, KVLayer
+from .._generation_config import GenerationConfig
 from ..attention import ATTENTION_MECHANISMS, AttentionMask, attention
 from ..nn import (
     REMAT_POLICIES,
@@ -29,7 +30,8 @@ class GPT2Config:
     """GPT-2's sizes under the names the other families use (`hidden_size` is
     Hugging Face's `n_embd`, `num_hidden_layers` its `n_layer`, ...); `intermediate_size`
     defaults to `4 * hidden_size`. `scan_layers`, `remat_policy`, `quantize_kv_cache`,
-    `attn_mechanism`, `block_q`, `block_k` and `shard_attention_computation` are as in
+    `attn_mechanism`, `block_q`, `block_k`, `shard_attention_computation` and
+    `generation_config` are as in
     [`eqdel.models.LlamaConfig`][].
     """
 
@@ -48,6 +50,7 @@ class GPT2Config:
     model_type: str = "gpt2"
     scan_layers: bool = True
     remat_policy: str = "none"
+    generation_config: GenerationConfig | None = None
     quantize_kv_cache: bool = False
     attn_mechanism: str = "auto"
     block_q: int = 128

@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
 from .._cache import KVCache, KVLayer
+from .._generation_config import GenerationConfig
 from ..attention import ATTENTION_MECHANISMS, AttentionMask
 from ..nn import (
     REMAT_POLICIES,
@@ -62,8 +63,10 @@ class LlamaConfig:
     blocks; `shard_attention_computation` constrains the attention's inputs and output
     to the activation rules inside `ShardingConfig.activate()`). `use_scan_mlp` applies
     the MLP to `scan_mlp_chunk_size` tokens at a time, capping its activation memory with
-    the same numbers. These last options are eqdel's
-    own and are not written to `config.json`.
+    the same numbers. `generation_config` holds the sampling defaults the checkpoint came
+    with (its `generation_config.json`), which [`eqdel.generate`][] and
+    [`eqdel.save_pretrained`][] use. These last options are eqdel's own and are not
+    written to `config.json`.
     """
 
     vocab_size: int = 32000
@@ -101,6 +104,7 @@ class LlamaConfig:
     shard_attention_computation: bool = True
     use_scan_mlp: bool = False
     scan_mlp_chunk_size: int = 1024
+    generation_config: GenerationConfig | None = None
 
     ARCHITECTURES: ClassVar[dict[str, str]] = _ARCHITECTURES
     """The Hugging Face class name of every `model_type` this config covers."""
