@@ -182,9 +182,16 @@ def _perplexity(args) -> int:
     tokenizer = load_tokenizer(args.model)
     model = from_pretrained(args.model, dtype=args.dtype, progress=False)
     ids = tokenizer.encode(text_file.read_text()).ids
+    described = ""
+    if args.quantize:
+        from ._quant import quantize
+
+        bits = {"int8": 8, "nf4": 4}[args.quantize]
+        model = quantize(model, bits, group_size=args.group_size)
+        described = args.quantize + (f" (groups of {args.group_size})" if bits == 4 else "") + ": "
     result = perplexity(model, ids, window=args.window, stride=args.stride)
     print(
-        f"perplexity {result.perplexity:.4f} (nll {result.nll:.5f} nats/token) over "
+        f"{described}perplexity {result.perplexity:.4f} (nll {result.nll:.5f} nats/token) over "
         f"{result.tokens} tokens of {text_file.name}, window {result.window}, "
         f"stride {result.stride}"
     )
@@ -269,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_argument("--window", type=int, default=None, help="tokens per window")
     perplexity.add_argument("--stride", type=int, default=None, help="tokens between windows")
     perplexity.add_argument("--dtype", choices=_DTYPES, default="float32")
+    perplexity.add_argument(
+        "--quantize",
+        choices=("int8", "nf4"),
+        default=None,
+        help="score the model quantized (rounded to nearest) rather than as loaded",
+    )
+    perplexity.add_argument("--group-size", type=int, default=64, help="NF4 inputs per scale")
     perplexity.set_defaults(run=_perplexity)
 
     convert = commands.add_parser(

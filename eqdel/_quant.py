@@ -1,6 +1,8 @@
 """Weight quantization as a pure model transformation: int8 per output channel, and NF4
 (4-bit normal-float codes, two per byte, one scale per block of inputs)."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -50,20 +52,29 @@ def int8_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Int8[A
     return jnp.clip(jnp.round(w / _safe(scales)), -127, 127).astype(jnp.int8)
 
 
+def _blocks(
+    x: Float[Array, "*layers in_features out_features"], group_size: int
+) -> Float[Array, "*layers groups group_size out_features"]:
+    """`x` in blocks of `group_size` inputs; a last, partial block is padded with zeros."""
+    *lead, n_in, n_out = x.shape
+    pad = -n_in % group_size
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad), (0, 0)])
+    return x.reshape(*lead, (n_in + pad) // group_size, group_size, n_out)
+
+
 def nf4_scales(
     w: Float[Array, "*layers in_features out_features"], group_size: int
 ) -> Float[Array, "*layers groups out_features"]:
-    """The absolute maximum of every block of `group_size` inputs of every output."""
-    *lead, n_in, n_out = w.shape
-    blocks = w.reshape(*lead, n_in // group_size, group_size, n_out)
-    return jnp.max(jnp.abs(blocks), axis=-2)
+    """The absolute maximum of every block of `group_size` inputs of every output (the
+    last block holds what is left when `group_size` does not divide the inputs)."""
+    return jnp.max(jnp.abs(_blocks(w, group_size)), axis=-2)
 
 
 def per_input(
-    scales: Float[Array, "*layers groups out_features"], group_size: int
+    scales: Float[Array, "*layers groups out_features"], group_size: int, n_in: int
 ) -> Float[Array, "*layers in_features out_features"]:
-    """Block scales repeated for every input of their block."""
-    return jnp.repeat(scales, group_size, axis=-2)
+    """Block scales repeated for every one of the `n_in` inputs of their block."""
+    return jnp.repeat(scales, group_size, axis=-2)[..., :n_in, :]
 
 
 def nf4_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> UInt8[Array, "*shape"]:
@@ -110,15 +121,15 @@ def fitted_nf4_scales(
 
     One scale per block of every output, float32.
     """
-    *lead, n_in, n_out = w.shape
+    n_in = w.shape[-2]
     absmax = nf4_scales(w, group_size)
     shrinks = jnp.asarray(NF4_SHRINKS, jnp.float32)
     weighting = 1.0 if importance is None else importance[..., None]
 
     def block_errors(shrink):
         scales = absmax * shrink
-        error = weighting * (w - nf4_values(w, per_input(scales, group_size))) ** 2
-        return error.reshape(*lead, n_in // group_size, group_size, n_out).sum(-2)
+        error = weighting * (w - nf4_values(w, per_input(scales, group_size, n_in))) ** 2
+        return _blocks(error, group_size).sum(-2)
 
     errors = jax.lax.map(block_errors, shrinks)
     return absmax * shrinks[jnp.argmin(errors, axis=0)]
@@ -164,12 +175,14 @@ class Int8Linear(eqx.Module):
 class NF4Linear(eqx.Module):
     """A `Linear` whose weight is NF4 codes packed two per byte along the input
     dimension, with the absolute maximum of every `group_size` inputs of every output as
-    its scale."""
+    its scale. When `group_size` does not divide the inputs, the last group holds the
+    rest (and an odd input count packs a last half-empty byte)."""
 
     codes: UInt8[Array, "*layers half_in out_features"] = field(axes=lambda self: self.axes)
     scales: Float[Array, "*layers groups out_features"] = field(axes=lambda self: self.axes)
     bias: Float[Array, "*layers out_features"] | None = field(axes=lambda self: self.axes[1:])
     group_size: int = eqx.field(static=True)
+    in_features: int = eqx.field(static=True)
     axes: tuple = eqx.field(static=True)
     checkpoint_transposed: bool = eqx.field(static=True)
 
@@ -182,20 +195,22 @@ class NF4Linear(eqx.Module):
         """**Arguments:**
 
         - `linear`: the layer to quantize.
-        - `group_size`: inputs per scale; must divide `in_features` and be even.
+        - `group_size`: inputs per scale (the last group takes what is left).
         - `scales`: the block scales to round against, kept as given; by default each
             block's absolute maximum, in the weight's dtype.
         """
         w = linear.weight.astype(jnp.float32)
         if scales is None:
             scales = nf4_scales(w, group_size).astype(linear.weight.dtype)
-        nearest = nf4_codes(w, per_input(scales.astype(jnp.float32), group_size))
         *lead, n_in, n_out = w.shape
-        nearest = nearest.reshape(*lead, n_in // 2, 2, n_out)
+        nearest = nf4_codes(w, per_input(scales.astype(jnp.float32), group_size, n_in))
+        nearest = jnp.pad(nearest, [(0, 0)] * len(lead) + [(0, n_in % 2), (0, 0)])
+        nearest = nearest.reshape(*lead, -1, 2, n_out)
         self.codes = nearest[..., 0, :] | (nearest[..., 1, :] << 4)
         self.scales = scales
         self.bias = linear.bias
         self.group_size = group_size
+        self.in_features = n_in
         self.axes = linear.axes
         self.checkpoint_transposed = linear.checkpoint_transposed
 
@@ -203,8 +218,9 @@ class NF4Linear(eqx.Module):
         """The dequantised weight."""
         *lead, half, n_out = self.codes.shape
         pairs = jnp.stack([self.codes & 15, self.codes >> 4], axis=-2)
-        values = jnp.asarray(NF4_LEVELS, dtype)[pairs.reshape(*lead, 2 * half, n_out)]
-        return values * per_input(self.scales.astype(dtype), self.group_size)
+        codes = pairs.reshape(*lead, 2 * half, n_out)[..., : self.in_features, :]
+        values = jnp.asarray(NF4_LEVELS, dtype)[codes]
+        return values * per_input(self.scales.astype(dtype), self.group_size, self.in_features)
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
@@ -248,7 +264,7 @@ def _quantized(layer: Linear, bits: int, group_size: int, gram: Array | None):
     else:
         importance = None if gram is None else jnp.diagonal(gram, axis1=-2, axis2=-1)
         scales = fitted_nf4_scales(w, group_size, importance).astype(layer.weight.dtype)
-        per_weight = per_input(scales.astype(jnp.float32), group_size)
+        per_weight = per_input(scales.astype(jnp.float32), group_size, w.shape[-2])
         nearest, build = nf4_values, lambda linear: NF4Linear(linear, group_size, scales)
     if gram is not None:
         # Replicated, GPTQ's loop over rows needs no collectives.
@@ -290,7 +306,8 @@ def quantize(
 
     - `model`: any eqdel model.
     - `bits`: `8` or `4`.
-    - `group_size`: NF4's block of inputs per scale.
+    - `group_size`: NF4's block of inputs per scale. A layer whose inputs it does not
+        divide gets a last, smaller block with its own scale (and a warning says so).
     - `targets`: field names of the linear layers to quantize; by default every `Linear`
         but the language-model head (`lm_head`).
     - `calibration`: `[batch, seq]` token ids for GPTQ; text like the model's use.
@@ -301,8 +318,8 @@ def quantize(
 
     **Raises:**
 
-    `ValueError` for other `bits`, a `group_size` that does not divide a layer's inputs
-    (naming the layer), no matching layer, or a model already quantized.
+    `ValueError` for other `bits`, a `group_size` below 1, no matching layer, or a model
+    already quantized.
     """
     if bits not in (4, 8):
         raise ValueError(f"bits must be 8 (int8) or 4 (NF4), not {bits}.")
@@ -319,13 +336,16 @@ def quantize(
         raise ValueError(f"No linear layer to quantize (targets={targets}).")
     layers = [get_path(model, p) for p in paths]
     if bits == 4:
-        for where, layer in zip(paths, layers):
-            n_in = layer.weight.shape[-2]
-            if group_size % 2 or n_in % group_size:
-                raise ValueError(
-                    f"{'.'.join(where)}: group_size {group_size} must be even and divide its "
-                    f"{n_in} inputs."
-                )
+        if group_size < 1:
+            raise ValueError(f"group_size must be at least 1, not {group_size}.")
+        for n_in in sorted({layer.weight.shape[-2] for layer in layers}):
+            if n_in % group_size == 0:
+                continue
+            warnings.warn(
+                f"layers with {n_in} inputs: groups of {group_size} leave a last group of "
+                f"{n_in % group_size} inputs, with its own scale.",
+                stacklevel=2,
+            )
     grams = [None] * len(paths) if calibration is None else input_grams(model, paths, calibration)
     replaced = [_quantized(layer, bits, group_size, g) for layer, g in zip(layers, grams)]
     return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, replaced)

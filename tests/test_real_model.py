@@ -242,6 +242,17 @@ def test_perplexity_command_prints_what_the_function_gives(smollm2_file, model, 
     assert f"over {expected.tokens} tokens of perplexity.txt, window 128, stride 128" in out.stdout
 
 
+def test_perplexity_command_scores_the_quantized_model(smollm2_file, model, text_ids):
+    out = _cli("perplexity", str(smollm2_file), "--quantize", "int8", "--window", "512")
+    assert out.returncode == 0, out.stderr
+    scored = eqdel.evaluate.perplexity(
+        eqdel.quantize(model, 8), text_ids, window=512, progress=False
+    )
+    assert f"int8: perplexity {scored.perplexity:.4f} " in out.stdout
+    float_model = eqdel.evaluate.perplexity(model, text_ids, window=512, progress=False)
+    assert abs(scored.perplexity / float_model.perplexity - 1) < 0.005  # int8 costs little
+
+
 def test_finetune_reads_conversations_through_the_chat_template(smollm2_file, tmp_path):
     """Two LoRA steps on the embedded instruction set: the run saves a model that carries
     the tokenizer and chat template on."""
