@@ -272,3 +272,18 @@ def test_save_through_a_link_writes_where_it_points(checkpoint, getkey):
     assert link.is_symlink()
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(_load(path))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_save_killed_between_two_renames_is_put_right_by_the_next(checkpoint, getkey):
+    path, _ = checkpoint
+    (path / "README.md").write_text("notes")
+    # Where directories cannot be swapped, a kill between the two renames leaves the old
+    # checkpoint beside the missing target.
+    path.rename(path.with_name(".ckpt.eqdel-save-0123456789ab.old"))
+    (path.parent / ".ckpt.eqdel-save-ba9876543210").mkdir()  # an unfinished save
+    new = LlamaForCausalLM(CONFIG, key=getkey())
+    eqdel.save_pretrained(new, path)
+    assert (path / "README.md").read_text() == "notes"
+    assert [p.name for p in path.parent.iterdir()] == ["ckpt"]
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(_load(path))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,11 +1,9 @@
 """`save_pretrained`: an eqdel model to a Hugging Face checkpoint directory."""
 
-import glob
 import json
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from .._quant import quantization_config
 from .._tokenizer import save_tokenizer
 from ._layout import get_path, hf_layout
 from ._load import INDEX_FILE, SINGLE_FILE
-from ._replace import replace_directory
+from ._replace import replace_directory, staging_directory
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KiB|MiB|GiB)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -145,10 +143,7 @@ def save_pretrained(
         for _ in _tensors(model):  # take part in the gathers; process 0 writes
             pass
         return path
-    for leftover in path.parent.glob(f".{glob.escape(path.name)}.eqdel-save-*"):
-        shutil.rmtree(leftover, ignore_errors=True)  # from a save that was killed
-    staging = path.with_name(f".{path.name}.eqdel-save-{uuid.uuid4().hex[:12]}")
-    staging.mkdir()
+    staging = staging_directory(path)
     try:
         hf_config = model.config.to_hf_config()
         if (quantization := quantization_config(model)) is not None:
