@@ -184,8 +184,9 @@ def generate(
 
     **Raises:**
 
-    `ValueError` for an empty prompt, a token outside the vocabulary or a row that is all
-    padding; an error naming the cause when the logits turn NaN or inf.
+    `ValueError` for an empty prompt, a token outside the vocabulary, a row that is all
+    padding or an `attention_mask` of another shape; an error naming the cause when the
+    logits turn NaN or inf.
     """
     config = _config(
         model,
