@@ -40,7 +40,7 @@ def read_config(path: Path) -> dict:
 
 def _saved_generation_config(path: Path, config) -> GenerationConfig | None:
     """The checkpoint's `generation_config.json` (if any), with the end and pad tokens of
-    `config` where it names none."""
+    `config` where it names none; `None` when it says no more than `config` does."""
     file = path / "generation_config.json"
     if not file.is_file():
         return None
@@ -51,11 +51,12 @@ def _saved_generation_config(path: Path, config) -> GenerationConfig | None:
         raise CheckpointError(f"{file}: not valid JSON ({error}).") from None
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{file}: {error}") from None
-    return dataclasses.replace(
+    merged = dataclasses.replace(
         saved,
         eos_token_id=saved.eos_token_id or defaults.eos_token_id,
         pad_token_id=defaults.pad_token_id if saved.pad_token_id is None else saved.pad_token_id,
     )
+    return None if merged == defaults else merged  # nothing beyond the model config's
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
