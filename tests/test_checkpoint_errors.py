@@ -40,6 +40,12 @@ def _load(path, **kwargs):
     return eqdel.from_pretrained(path, progress=False, **kwargs)
 
 
+def _assert_holds(path, model):
+    """The checkpoint at `path` loads back as exactly `model`."""
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(_load(path))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_missing_config(tmp_path):
     with pytest.raises(CheckpointError, match=r"no config.json"):
         _load(tmp_path)
@@ -135,9 +141,7 @@ def test_failed_save_keeps_previous_checkpoint(checkpoint, monkeypatch, getkey):
         eqdel.save_pretrained(other, path, max_shard_size="4KB")
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     assert [p.name for p in path.parent.iterdir()] == ["ckpt"]  # no staging left behind
-    again = _load(path)
-    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_holds(path, model)
 
 
 def _snapshot(root):
@@ -226,9 +230,7 @@ def test_save_into_a_used_directory_replaces_only_its_own_files(tmp_path, getkey
     assert (path / "README.md").stat().st_ino == inode  # the same file, not a copy
     assert path.stat().st_mode & 0o777 == 0o750
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging left behind
-    loaded = _load(path)
-    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(loaded)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_holds(path, new)
 
 
 def test_generation_config_travels_with_the_model(tmp_path, getkey):
@@ -259,8 +261,7 @@ def test_save_without_an_atomic_swap_still_keeps_other_files(checkpoint, monkeyp
     eqdel.save_pretrained(new, path)
     assert (path / "README.md").read_text() == "notes"
     assert [p.name for p in path.parent.iterdir()] == ["ckpt"]
-    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(_load(path))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_holds(path, new)
 
 
 def test_save_through_a_link_writes_where_it_points(checkpoint, getkey):
@@ -270,8 +271,7 @@ def test_save_through_a_link_writes_where_it_points(checkpoint, getkey):
     new = LlamaForCausalLM(CONFIG, key=getkey())
     assert eqdel.save_pretrained(new, link) == path
     assert link.is_symlink()
-    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(_load(path))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_holds(path, new)
 
 
 def test_a_save_killed_between_two_renames_is_put_right_by_the_next(checkpoint, getkey):
@@ -285,5 +285,4 @@ def test_a_save_killed_between_two_renames_is_put_right_by_the_next(checkpoint, 
     eqdel.save_pretrained(new, path)
     assert (path / "README.md").read_text() == "notes"
     assert [p.name for p in path.parent.iterdir()] == ["ckpt"]
-    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(_load(path))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_holds(path, new)
