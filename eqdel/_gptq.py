@@ -97,8 +97,8 @@ def _block_size(n_in: int, largest: int = 32) -> int:
 def gptq_round(
     weight: Float[Array, "*layers in_features out_features"],
     gram: Float[Array, "*layers in_features in_features"],
-    scales: Float[Array, "*layers in_features out_features"],
-    fake_quantize: Callable[[Array, Array], Array],
+    scales: Float[Array, "*layers in_features out_features"] | tuple[Array, ...],
+    fake_quantize: Callable,
 ) -> Float[Array, "*layers in_features out_features"]:
     """Rounds one input row of `weight` at a time, most active inputs first, and spreads
     each row's rounding error over the rows not yet rounded, so that `x @ weight` changes
@@ -109,8 +109,10 @@ def gptq_round(
     - `weight`: the float weight (leading dimensions are rounded independently).
     - `gram`: `Σ xᵀx` of the layer's calibration inputs. Inputs never seen (a zero
         diagonal) are rounded to nearest.
-    - `scales`: the scale of every weight, fixed before rounding.
-    - `fake_quantize`: `(values, scales) -> the nearest representable values`.
+    - `scales`: the scale of every weight, fixed before rounding; or a tuple of such
+        arrays (a scale and an offset).
+    - `fake_quantize`: `(values, scales) -> the nearest representable values`, given a
+        row of weights and the same row of `scales`.
 
     **Returns:**
 
@@ -128,7 +130,8 @@ def gptq_round(
         # Upper Cholesky factor of the inverse Hessian: row i says how the error of
         # input i moves the inputs after it.
         factor = jnp.linalg.cholesky(jnp.linalg.inv(hessian)).T
-        weight, scales = weight[order], scales[order]
+        weight = weight[order]
+        scales = jax.tree.map(lambda a: a[order], scales)
         block = _block_size(n_in)
 
         def round_block(b, carry):
@@ -138,7 +141,9 @@ def gptq_round(
             w, rounded = carry
             start = b * block
             rows = jax.lax.dynamic_slice_in_dim(w, start, block)
-            row_scales = jax.lax.dynamic_slice_in_dim(scales, start, block)
+            row_scales = jax.tree.map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, start, block), scales
+            )
             influence = jax.lax.dynamic_slice_in_dim(factor, start, block)  # [block, n_in]
             inner = jax.lax.dynamic_slice_in_dim(influence, start, block, axis=1)
 
@@ -146,7 +151,7 @@ def gptq_round(
                 # The factor is upper triangular: the update leaves the rows before `j`
                 # alone and makes row `j` its rounded value, already recorded.
                 rows, values, errors = carry
-                q = fake_quantize(rows[j], row_scales[j])
+                q = fake_quantize(rows[j], jax.tree.map(lambda a: a[j], row_scales))
                 error = (rows[j] - q) / inner[j, j]
                 rows = rows - inner[j][:, None] * error[None, :]
                 return rows, values.at[j].set(q), errors.at[j].set(error)
@@ -163,6 +168,6 @@ def gptq_round(
     flat = jax.vmap(one)(
         weight.reshape(-1, n_in, n_out).astype(jnp.float32),
         gram.reshape(-1, n_in, n_in),
-        scales.reshape(-1, n_in, n_out).astype(jnp.float32),
+        jax.tree.map(lambda a: a.reshape(-1, n_in, n_out).astype(jnp.float32), scales),
     )
     return flat.reshape(weight.shape)

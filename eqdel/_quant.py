@@ -1,5 +1,6 @@
-"""Weight quantization as a pure model transformation: int8 per output channel, and NF4
-(4-bit normal-float codes, two per byte, one scale per block of inputs)."""
+"""Weight quantization as a pure model transformation: int8 per output channel; NF4
+(4-bit normal-float codes, two per byte, one scale per block of inputs); and int4 (4-bit
+integers, two per byte, a scale and an offset per block of inputs)."""
 
 import warnings
 
@@ -7,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int, Int8, UInt8
+from jaxtyping import Array, Float, Int, Int8, Shaped, UInt8
 
 from ._field import field
 from ._gptq import gptq_round, input_grams
@@ -53,12 +54,13 @@ def int8_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Int8[A
 
 
 def _blocks(
-    x: Float[Array, "*layers in_features out_features"], group_size: int
-) -> Float[Array, "*layers groups group_size out_features"]:
-    """`x` in blocks of `group_size` inputs; a last, partial block is padded with zeros."""
+    x: Shaped[Array, "*layers in_features out_features"], group_size: int, mode: str = "constant"
+) -> Shaped[Array, "*layers groups group_size out_features"]:
+    """`x` in blocks of `group_size` inputs; a last, partial block is padded with zeros
+    (or, with `mode="edge"`, with copies of its last input)."""
     *lead, n_in, n_out = x.shape
     pad = -n_in % group_size
-    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad), (0, 0)])
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad), (0, 0)], mode=mode)
     return x.reshape(*lead, (n_in + pad) // group_size, group_size, n_out)
 
 
@@ -83,6 +85,35 @@ def nf4_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> UInt8[A
     levels = jnp.asarray(NF4_LEVELS, jnp.float32)
     midpoints = ((levels[1:] + levels[:-1]) / 2).reshape((1,) * w.ndim + (15,))
     return jnp.sum((w / _safe(scales))[..., None] > midpoints, axis=-1, dtype=jnp.uint8)
+
+
+def int4_ranges(
+    w: Float[Array, "*layers in_features out_features"], group_size: int
+) -> tuple[
+    Float[Array, "*layers groups out_features"], Float[Array, "*layers groups out_features"]
+]:
+    """Every block's scale and offset for int4: its range over 15 and its minimum, so
+    that codes 0 and 15 land on the block's smallest and largest weight."""
+    blocks = _blocks(w, group_size, mode="edge")
+    low, high = jnp.min(blocks, axis=-2), jnp.max(blocks, axis=-2)
+    return (high - low) / 15, low
+
+
+def int4_codes(
+    w: Float[Array, "*shape"], scales_offsets: tuple[Array, Array]
+) -> UInt8[Array, "*shape"]:
+    """The int4 code (0 to 15) nearest to every weight, given its (broadcast) scale and
+    offset: `w ≈ code * scale + offset`."""
+    scales, offsets = scales_offsets
+    return jnp.clip(jnp.round((w - offsets) / _safe(scales)), 0, 15).astype(jnp.uint8)
+
+
+def int4_values(
+    w: Float[Array, "*shape"], scales_offsets: tuple[Array, Array]
+) -> Float[Array, "*shape"]:
+    """The nearest values int4 codes can hold at these scales and offsets."""
+    scales, offsets = scales_offsets
+    return int4_codes(w, scales_offsets).astype(jnp.float32) * scales + offsets
 
 
 def int8_values(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Float[Array, "*shape"]:
@@ -229,7 +260,117 @@ class NF4Linear(eqx.Module):
         return y if self.bias is None else y + self.bias.astype(y.dtype)
 
 
-QUANTIZED = (Int8Linear, NF4Linear)
+def _pack_halves(
+    codes: UInt8[Array, "*layers in_features out_features"], group_size: int
+) -> UInt8[Array, "*layers packed out_features"]:
+    """Two codes per byte: in every block of `group_size` inputs, byte `k` holds input
+    `k` in its low four bits and input `k + group_size / 2` in its high four bits (a last
+    partial block is padded with zero codes)."""
+    blocks = _blocks(codes, group_size)
+    *lead, groups, _, n_out = blocks.shape
+    halves = blocks.reshape(*lead, groups, 2, group_size // 2, n_out)
+    packed = halves[..., 0, :, :] | (halves[..., 1, :, :] << 4)
+    return packed.reshape(*lead, groups * group_size // 2, n_out)
+
+
+class Int4Linear(eqx.Module):
+    """A `Linear` whose weight is 4-bit codes `q` from 0 to 15 with a scale and an offset
+    for every block of `group_size` inputs of every output, `w = q * scale + offset`: the
+    form of asymmetric GPTQ checkpoints and of llama.cpp's Q4_0 and Q4_1 blocks. Codes
+    pack two per byte as llama.cpp packs them (see `codes`); when `group_size` does not
+    divide the inputs, the last block holds the rest."""
+
+    codes: UInt8[Array, "*layers packed out_features"] = field(axes=lambda self: self.axes)
+    """In every block of inputs, byte `k` holds input `k` (low four bits) and input
+    `k + group_size / 2` (high four bits)."""
+    scales: Float[Array, "*layers groups out_features"] = field(axes=lambda self: self.axes)
+    offsets: Float[Array, "*layers groups out_features"] = field(axes=lambda self: self.axes)
+    bias: Float[Array, "*layers out_features"] | None = field(axes=lambda self: self.axes[1:])
+    group_size: int = eqx.field(static=True)
+    in_features: int = eqx.field(static=True)
+    axes: tuple = eqx.field(static=True)
+    checkpoint_transposed: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        linear: Linear,
+        group_size: int = 64,
+        scales_offsets: tuple[Array, Array] | None = None,
+    ):
+        """**Arguments:**
+
+        - `linear`: the layer to quantize.
+        - `group_size`: inputs per scale and offset, even (the last group takes what is
+            left).
+        - `scales_offsets`: the block scales and offsets to round against, kept as
+            given; by default each block's range over 15 and its minimum, in the
+            weight's dtype.
+
+        **Raises:**
+
+        `ValueError` for an odd `group_size`.
+        """
+        if group_size < 2 or group_size % 2:
+            raise ValueError(f"int4 group_size must be even and at least 2, not {group_size}.")
+        w = linear.weight.astype(jnp.float32)
+        if scales_offsets is None:
+            ranges = int4_ranges(w, group_size)
+            scales_offsets = tuple(a.astype(linear.weight.dtype) for a in ranges)
+        n_in = w.shape[-2]
+        per_weight = tuple(
+            per_input(a.astype(jnp.float32), group_size, n_in) for a in scales_offsets
+        )
+        self.codes = _pack_halves(int4_codes(w, per_weight), group_size)
+        self.scales, self.offsets = scales_offsets
+        self.bias = linear.bias
+        self.group_size = group_size
+        self.in_features = n_in
+        self.axes = linear.axes
+        self.checkpoint_transposed = linear.checkpoint_transposed
+
+    def _halves(
+        self, dtype
+    ) -> tuple[
+        Float[Array, "*layers packed out_features"], Float[Array, "*layers packed out_features"]
+    ]:
+        """The dequantised weights of the first and of the second half of every block's
+        inputs (the low and the high four bits of the codes)."""
+        *lead, packed, n_out = self.codes.shape
+        groups = self.scales.shape[-2]
+        scales = self.scales.astype(dtype)[..., None, :]
+        offsets = self.offsets.astype(dtype)[..., None, :]
+
+        def dequantised(codes):
+            codes = codes.reshape(*lead, groups, self.group_size // 2, n_out).astype(dtype)
+            return (codes * scales + offsets).reshape(*lead, packed, n_out)
+
+        return dequantised(self.codes & 15), dequantised(self.codes >> 4)
+
+    def weight(self, dtype) -> Float[Array, "*layers in_features out_features"]:
+        """The dequantised weight."""
+        low, high = self._halves(dtype)
+        *lead, packed, n_out = low.shape
+        half = self.group_size // 2
+        halves = [h.reshape(*lead, -1, 1, half, n_out) for h in (low, high)]
+        both = jnp.concatenate(halves, axis=-3).reshape(*lead, 2 * packed, n_out)
+        return both[..., : self.in_features, :]
+
+    def __call__(
+        self, x: Float[Array, "*batch in_features"]
+    ) -> Float[Array, "*batch out_features"]:
+        # Two products, one per half of every block, rather than one with the weight put
+        # back in order: interleaving the halves costs more than the product at batch 1.
+        *batch, n_in = x.shape
+        low, high = self._halves(x.dtype)
+        padded = 2 * low.shape[-2]
+        x = jnp.pad(x, [(0, 0)] * len(batch) + [(0, padded - n_in)])
+        x = x.reshape(*batch, -1, 2, self.group_size // 2)
+        y = matmul(x[..., 0, :].reshape(*batch, -1), low)
+        y = y + matmul(x[..., 1, :].reshape(*batch, -1), high)
+        return y if self.bias is None else y + self.bias.astype(y.dtype)
+
+
+QUANTIZED = (Int8Linear, NF4Linear, Int4Linear)
 
 
 def dequantized_linear(layer) -> Linear:
@@ -253,19 +394,28 @@ def dequantized_linear(layer) -> Linear:
     )
 
 
-def _quantized(layer: Linear, bits: int, group_size: int, gram: Array | None):
+SCHEMES = {8: ("int8",), 4: ("nf4", "int4")}
+"""The schemes of each bit width; the first is the default."""
+
+
+def _quantized(layer: Linear, scheme: str, group_size: int, gram: Array | None):
     """One layer's quantized stand-in: rounded to nearest, or by GPTQ given the `gram`
     (`Σ xᵀx`) of its calibration inputs."""
     w = layer.weight.astype(jnp.float32)
-    if bits == 8:
-        scales = int8_scales(w).astype(layer.weight.dtype)
+    dtype, n_in = layer.weight.dtype, w.shape[-2]
+    if scheme == "int8":
+        scales = int8_scales(w).astype(dtype)
         per_weight = jnp.broadcast_to(scales.astype(jnp.float32)[..., None, :], w.shape)
         nearest, build = int8_values, lambda linear: Int8Linear(linear, scales)
-    else:
+    elif scheme == "nf4":
         importance = None if gram is None else jnp.diagonal(gram, axis1=-2, axis2=-1)
-        scales = fitted_nf4_scales(w, group_size, importance).astype(layer.weight.dtype)
-        per_weight = per_input(scales.astype(jnp.float32), group_size, w.shape[-2])
+        scales = fitted_nf4_scales(w, group_size, importance).astype(dtype)
+        per_weight = per_input(scales.astype(jnp.float32), group_size, n_in)
         nearest, build = nf4_values, lambda linear: NF4Linear(linear, group_size, scales)
+    else:
+        ranges = tuple(a.astype(dtype) for a in int4_ranges(w, group_size))
+        per_weight = tuple(per_input(a.astype(jnp.float32), group_size, n_in) for a in ranges)
+        nearest, build = int4_values, lambda linear: Int4Linear(linear, group_size, ranges)
     if gram is not None:
         # Replicated, GPTQ's loop over rows needs no collectives.
         everywhere = w.sharding
@@ -277,18 +427,39 @@ def _quantized(layer: Linear, bits: int, group_size: int, gram: Array | None):
     return build(layer)
 
 
+def _scheme(bits: int, scheme: str | None, group_size: int) -> str:
+    """The scheme asked for, checked against `bits` and `group_size`."""
+    if bits not in SCHEMES:
+        raise ValueError(f"bits must be 8 (int8) or 4 (NF4 or int4), not {bits}.")
+    scheme = SCHEMES[bits][0] if scheme is None else scheme
+    if scheme not in SCHEMES[bits]:
+        raise ValueError(f"{bits}-bit quantization is one of {SCHEMES[bits]}, not {scheme!r}.")
+    if bits == 4 and group_size < 1:
+        raise ValueError(f"group_size must be at least 1, not {group_size}.")
+    if scheme == "int4" and group_size % 2:
+        raise ValueError(f"int4 group_size must be even, not {group_size}.")
+    return scheme
+
+
 def quantize(
     model,
     bits: int = 8,
     *,
+    scheme: str | None = None,
     group_size: int = 64,
     targets=None,
     calibration: Int[Array, "batch seq"] | None = None,
 ):
-    """A new model whose linear layers are quantized: `bits=8` gives int8 codes with a
-    scale per output channel ([`eqdel.Int8Linear`][]), `bits=4` NF4 codes with a scale per
-    `group_size` inputs ([`eqdel.NF4Linear`][]). Embeddings, norms and biases stay as
-    they are.
+    """A new model whose linear layers are quantized:
+
+    - `bits=8`: int8 codes with a scale per output channel ([`eqdel.Int8Linear`][]);
+    - `bits=4` (`scheme="nf4"`, the default): NF4 codes with a scale per `group_size`
+        inputs ([`eqdel.NF4Linear`][]);
+    - `bits=4, scheme="int4"`: 4-bit integer codes with a scale and an offset per
+        `group_size` inputs ([`eqdel.Int4Linear`][]), as asymmetric GPTQ checkpoints and
+        llama.cpp's Q4_1 blocks hold them.
+
+    Embeddings, norms and biases stay as they are.
 
     Weights round to the nearest code unless `calibration` tokens are given: then every
     layer's codes are chosen by GPTQ (Frantar et al., 2022), which rounds one input at a
@@ -297,17 +468,20 @@ def quantize(
     activations come from one pass of the float model (not layer by layer over the
     quantized one).
 
-    NF4 block scales are fitted before rounding: each is the fraction of its block's
-    absolute maximum (from 1 down to ½) that rounds the block with the least squared
-    error, weighting each input by its calibration activations' mean square when there
-    are any. int8 scales are each output channel's absolute maximum.
+    Scales are fixed before rounding. NF4 block scales are fitted: each is the fraction
+    of its block's absolute maximum (from 1 down to ½) that rounds the block with the
+    least squared error, weighting each input by its calibration activations' mean square
+    when there are any. int4 blocks span their smallest to their largest weight. int8
+    scales are each output channel's absolute maximum.
 
     **Arguments:**
 
     - `model`: any eqdel model.
     - `bits`: `8` or `4`.
-    - `group_size`: NF4's block of inputs per scale. A layer whose inputs it does not
-        divide gets a last, smaller block with its own scale (and a warning says so).
+    - `scheme`: for 4 bits, `"nf4"` (default) or `"int4"`.
+    - `group_size`: the 4-bit block of inputs per scale (even for int4). A layer whose
+        inputs it does not divide gets a last, smaller block with its own scale (and a
+        warning says so).
     - `targets`: field names of the linear layers to quantize; by default every `Linear`
         but the language-model head (`lm_head`).
     - `calibration`: `[batch, seq]` token ids for GPTQ; text like the model's use.
@@ -318,11 +492,10 @@ def quantize(
 
     **Raises:**
 
-    `ValueError` for other `bits`, a `group_size` below 1, no matching layer, or a model
-    already quantized.
+    `ValueError` for other `bits` or schemes, a `group_size` below 1 (or odd, for int4),
+    no matching layer, or a model already quantized.
     """
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 8 (int8) or 4 (NF4), not {bits}.")
+    scheme = _scheme(bits, scheme, group_size)
     if module_paths(model, lambda _, m: isinstance(m, QUANTIZED)):
         raise ValueError("The model is already quantized; dequantize it first.")
 
@@ -336,8 +509,6 @@ def quantize(
         raise ValueError(f"No linear layer to quantize (targets={targets}).")
     layers = [get_path(model, p) for p in paths]
     if bits == 4:
-        if group_size < 1:
-            raise ValueError(f"group_size must be at least 1, not {group_size}.")
         for n_in in sorted({layer.weight.shape[-2] for layer in layers}):
             if n_in % group_size == 0:
                 continue
@@ -347,7 +518,7 @@ def quantize(
                 stacklevel=2,
             )
     grams = [None] * len(paths) if calibration is None else input_grams(model, paths, calibration)
-    replaced = [_quantized(layer, bits, group_size, g) for layer, g in zip(layers, grams)]
+    replaced = [_quantized(layer, scheme, group_size, g) for layer, g in zip(layers, grams)]
     return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, replaced)
 
 
@@ -370,6 +541,9 @@ QUANT_METHOD = "eqdel"
 """The `quant_method` eqdel writes in `config.json`'s `quantization_config`."""
 
 
+_SCHEME_OF = {Int8Linear: "int8", NF4Linear: "nf4", Int4Linear: "int4"}
+
+
 def quantization_config(model) -> dict | None:
     """What `config.json` records of a quantized model, so that
     [`eqdel.from_pretrained`][] can quantize its skeleton the same way; `None` for a
@@ -377,19 +551,20 @@ def quantization_config(model) -> dict | None:
 
     **Raises:**
 
-    `ValueError` for a model mixing int8 and NF4, or NF4 group sizes.
+    `ValueError` for a model mixing schemes or group sizes.
     """
     paths = module_paths(model, lambda _, m: isinstance(m, QUANTIZED))
     if not paths:
         return None
     layers = [get_path(model, p) for p in paths]
-    kinds = {(8, None) if isinstance(q, Int8Linear) else (4, q.group_size) for q in layers}
+    kinds = {(_SCHEME_OF[type(q)], getattr(q, "group_size", None)) for q in layers}
     if len(kinds) > 1:
         raise ValueError(f"The model mixes quantizations {sorted(kinds, key=str)}; save one kind.")
-    ((bits, group_size),) = kinds
+    ((scheme, group_size),) = kinds
     return dict(
         quant_method=QUANT_METHOD,
-        bits=bits,
+        bits=8 if scheme == "int8" else 4,
+        scheme=scheme,
         group_size=group_size,
         modules=sorted({p[-1] for p in paths}),
     )

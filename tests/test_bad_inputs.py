@@ -267,7 +267,7 @@ CASES = [
      lambda w: partial(eqdel.save_pretrained, w.model, w.ckpt, chat_template=w.template),
      ValueError, r"a chat template is saved with its tokenizer"),
     ("quantization to unsupported bits", _call(eqdel.quantize, lambda w: w.model, bits=3),
-     ValueError, r"bits must be 8 \(int8\) or 4 \(NF4\), not 3"),
+     ValueError, r"bits must be 8 \(int8\) or 4 \(NF4 or int4\), not 3"),
     ("adapters saved from a model without any",
      _call(eqdel.save_lora, lambda w: w.model, lambda w: w.root / "adapter"),
      ValueError, r"The model has no LoRA adapters to save"),

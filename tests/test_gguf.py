@@ -14,6 +14,7 @@ from tiny import corpus_file, train_tokenizer
 
 import eqdel
 from eqdel.checkpoint import CheckpointError
+from eqdel.nn import Linear
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -54,8 +55,11 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(hf_model, path, architecture: str, tensor_type: str = "F32", **metadata):
-    """Write `hf_model` as llama.cpp would; 2-D weights stored as `tensor_type`."""
+def write_gguf(
+    hf_model, path, architecture: str, tensor_type: str = "F32", types=None, **metadata
+):
+    """Write `hf_model` as llama.cpp would; 2-D weights stored as `tensor_type`, or as
+    `types[name]` for the GGUF tensor names in `types`."""
     config = hf_model.config
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(config.max_position_embeddings)
@@ -87,9 +91,11 @@ def write_gguf(hf_model, path, architecture: str, tensor_type: str = "F32", **me
         if architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             array = _llama_cpp_permute(array, heads)
-        kind = gguf.GGMLQuantizationType[tensor_type if array.ndim == 2 else "F32"]
+        stored_name = _gguf_name(name, architecture)
+        kind = (types or {}).get(stored_name, tensor_type if array.ndim == 2 else "F32")
+        kind = gguf.GGMLQuantizationType[kind]
         stored = array if kind.name == "F32" else gguf.quantize(array, kind)
-        writer.add_tensor(_gguf_name(name, architecture), stored, raw_dtype=kind)
+        writer.add_tensor(stored_name, stored, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -130,6 +136,44 @@ def test_quantized_gguf_loads_the_dequantised_weights(tensor_type, tmp_path):
     np.testing.assert_allclose(
         np.asarray(model(jnp.asarray(ids)).logits), hf_logits(hf_model, ids), atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1"])
+def test_q4_blocks_kept_quantized_compute_the_dequantised_model(tensor_type, tmp_path):
+    hf_model = make_hf_model("llama")
+    # One layer's value projection in Q8_0: no layer's value projection stays int4.
+    types = {"blk.1.attn_v.weight": "Q8_0"}
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", tensor_type, types)
+    float_model = eqdel.from_pretrained(path, progress=False)
+    kept = eqdel.from_pretrained(path, progress=False, keep_quantized=True)
+    attention = kept.model.layers.self_attn
+    assert isinstance(attention.q_proj, eqdel.Int4Linear) and attention.q_proj.group_size == 32
+    assert attention.q_proj.codes.dtype == jnp.uint8
+    assert isinstance(attention.v_proj, Linear)
+    # The stored codes unchanged: dequantised, every weight is the float load's exactly.
+    for a, b in zip(jax.tree.leaves(eqdel.dequantize(kept)), jax.tree.leaves(float_model)):
+        np.testing.assert_array_equal(a, b)
+    ids = jnp.asarray(random_ids(2, 16))
+    np.testing.assert_allclose(kept(ids).logits, float_model(ids).logits, atol=1e-5, rtol=0)
+    eqdel.save_pretrained(kept, tmp_path / "saved")
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    sharded = eqdel.from_pretrained(path, sharding=cfg, progress=False, keep_quantized=True)
+    assert sharded.model.layers.self_attn.q_proj.codes.sharding.spec != (None, None, None)
+    for again in (sharded, eqdel.from_pretrained(tmp_path / "saved", progress=False)):
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(kept), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+
+
+def test_keep_quantized_without_q4_blocks_warns_or_is_refused(tmp_path):
+    hf_model = make_hf_model("llama")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "Q8_0")
+    with pytest.warns(UserWarning, match="model.gguf stores no decoder linear layer as Q4_0"):
+        model = eqdel.from_pretrained(path, progress=False, keep_quantized=True)
+    assert isinstance(model.model.layers.self_attn.q_proj, Linear)
+    eqdel.save_pretrained(model, tmp_path / "saved")
+    with pytest.raises(CheckpointError, match="keep_quantized applies to GGUF files"):
+        eqdel.from_pretrained(tmp_path / "saved", progress=False, keep_quantized=True)
 
 
 def test_sharded_gguf_load_equals_one_device(tmp_path):

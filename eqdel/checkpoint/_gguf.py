@@ -30,6 +30,14 @@ GGUF_TENSOR_TYPES = (
 )  # fmt: skip
 """The GGML tensor types read (and dequantised with the `gguf` package)."""
 
+INT4_BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20}
+"""GGML types kept as int4 codes by `from_pretrained(..., keep_quantized=True)`, with
+the bytes of each of their blocks: 32 inputs of one output, a float16 scale `d` (and,
+for Q4_1, a float16 offset `m`), then 16 bytes of codes `q` from 0 to 15, byte `k`
+holding inputs `k` and `k + 16`. The weights are `q * d + m` (Q4_1) or `(q - 8) * d`
+(Q4_0)."""
+INT4_GROUP = 32
+
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
     "embedding_length": "hidden_size",
@@ -127,6 +135,11 @@ def _hf_tensor_name(name: str, architecture: str, path: Path) -> str:
     )
 
 
+def _float16s(pairs: np.ndarray) -> np.ndarray:
+    """Float16 numbers stored as pairs of bytes (the last dimension), as float32."""
+    return pairs.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
 class GGUFCheckpoint:
     """A GGUF file seen as a Hugging Face checkpoint: `hf_config` is its config.json, and
     `shape` / `read` give its tensors (dequantised to float32, llama.cpp's changes undone)
@@ -135,6 +148,9 @@ class GGUFCheckpoint:
     **Arguments:**
 
     - `path`: the `.gguf` file.
+    - `keep_int4`: whether the decoder's linear layers stored as Q4_0 / Q4_1 in every
+        layer (`int4_modules`) are read as the `codes`, `scales` and `offsets` of an
+        `eqdel.Int4Linear` with groups of 32 rather than as a float `weight`.
 
     **Raises:**
 
@@ -142,7 +158,7 @@ class GGUFCheckpoint:
     eqdel does not read.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep_int4: bool = False):
         self.path = Path(path)
         self.reader = open_gguf(self.path)
         architecture = metadata(self.reader, "general.architecture")
@@ -163,6 +179,26 @@ class GGUFCheckpoint:
                 )
             self.tensors[_hf_tensor_name(tensor.name, architecture, self.path)] = tensor
         self.names = set(self.tensors)
+        self.int4_modules = self._int4_modules() if keep_int4 else []
+        self._int4_parts = {
+            f"{name.removesuffix('.weight')}.{part}": (name, part)
+            for name in self.tensors
+            if name.startswith("model.layers.") and name.split(".")[-2] in self.int4_modules
+            for part in ("codes", "scales", "offsets")
+        }
+        self.names -= {name for name, _ in self._int4_parts.values()}
+        self.names |= set(self._int4_parts)
+
+    def _int4_modules(self) -> list[str]:
+        """The decoder's linear layers (by field name, e.g. `q_proj`) stored in Q4_0 or
+        Q4_1 blocks in every layer."""
+        kinds: dict[str, set[bool]] = {}
+        for name, tensor in self.tensors.items():
+            if name.startswith("model.layers.") and name.endswith(".weight"):
+                module = name.split(".")[-2]
+                is_int4 = tensor.tensor_type.name in INT4_BLOCK_TYPES
+                kinds.setdefault(module, set()).add(is_int4 and len(tensor.shape) == 2)
+        return sorted(module for module, kind in kinds.items() if kind == {True})
 
     def _hf_config(self) -> dict:
         reader, arch = self.reader, self.architecture
@@ -192,7 +228,12 @@ class GGUFCheckpoint:
         return hf
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """The Hugging Face shape of tensor `name` (GGML lists dimensions innermost first)."""
+        """The Hugging Face shape of tensor `name` (GGML lists dimensions innermost first);
+        for the parts of a layer kept as int4, the shape of that `Int4Linear` field."""
+        if name in self._int4_parts:
+            weight, part = self._int4_parts[name]
+            n_out, n_in = self.shape(weight)
+            return (n_in // 2 if part == "codes" else n_in // INT4_GROUP, n_out)
         return tuple(int(n) for n in reversed(self.tensors[name].shape))
 
     def _row_order(self, name: str) -> np.ndarray | None:
@@ -207,23 +248,48 @@ class GGUFCheckpoint:
         count = self.hf_config[heads[projection]]
         return np.arange(rows).reshape(count, rows // count // 2, 2).swapaxes(1, 2).reshape(-1)
 
+    def _stored_rows(self, name: str, rows: slice) -> np.ndarray:
+        """The indices in the file of the Hugging Face rows `rows` of tensor `name`."""
+        stored = np.arange(self.shape(name)[0])[rows]
+        order = self._row_order(name)
+        return stored if order is None else order[stored]
+
+    def _read_int4(self, name: str, index: tuple) -> np.ndarray:
+        """Block `index` of an `Int4Linear` field (`[inputs, outputs]` layout) straight
+        from the stored Q4_0 / Q4_1 blocks, with no float round trip for the codes."""
+        weight, part = self._int4_parts[name]
+        tensor = self.tensors[weight]
+        kind = tensor.tensor_type.name
+        raw = np.asarray(tensor.data[self._stored_rows(weight, index[1])])
+        blocks = raw.reshape(len(raw), -1, INT4_BLOCK_TYPES[kind])
+        if part == "codes":
+            value = blocks[..., -16:].reshape(len(raw), -1)
+        else:
+            scales = _float16s(blocks[..., 0:2])
+            value = (
+                scales
+                if part == "scales"
+                else (_float16s(blocks[..., 2:4]) if kind == "Q4_1" else -8 * scales)
+            )
+        return value.T[index[0]]
+
     def read(self, name: str, index: tuple) -> np.ndarray:
-        """The float32 block `index` (a tuple of slices) of tensor `name`.
+        """The float32 block `index` (a tuple of slices) of tensor `name` (for the parts
+        of a layer kept as int4, the stored codes, scales or offsets).
 
         Only the rows asked for are dequantised: GGML blocks never cross a row.
         """
         from gguf import dequantize
 
-        tensor = self.tensors[name]
+        tensor = self.tensors[self._int4_parts.get(name, (name,))[0]]
         shape = self.shape(name)
         try:
+            if name in self._int4_parts:
+                return self._read_int4(name, index)
             if len(shape) == 1:
                 block = dequantize(tensor.data, tensor.tensor_type).reshape(shape)[index]
             else:
-                rows = np.arange(shape[0])[index[0]]
-                order = self._row_order(name)
-                if order is not None:
-                    rows = order[rows]
+                rows = self._stored_rows(name, index[0])
                 block = dequantize(tensor.data[rows], tensor.tensor_type)
                 block = block.reshape(len(rows), *shape[1:])[(slice(None), *index[1:])]
         except (ValueError, IndexError, OSError) as error:

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import equinox as eqx
@@ -19,7 +20,7 @@ from .._sharding_config import ShardingConfig
 from ..models import config_class
 from ..models._registry import MODEL_TYPES
 from ._errors import CheckpointError
-from ._gguf import GGUFCheckpoint, is_gguf
+from ._gguf import INT4_GROUP, GGUFCheckpoint, is_gguf
 from ._layout import HFTensor, hf_layout
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -181,9 +182,23 @@ def _quantization(path: Path, hf: dict):
     return lambda model: quantize(
         model,
         config["bits"],
+        scheme=config.get("scheme"),
         group_size=config.get("group_size") or 64,
         targets=config["modules"],
     )
+
+
+def _gguf_int4(path: Path, modules: list[str]):
+    """The transformation that gives the skeleton int4 layers where a GGUF file stores
+    Q4_0 / Q4_1 blocks."""
+    if not modules:
+        warnings.warn(
+            f"{path.name} stores no decoder linear layer as Q4_0 or Q4_1 in every layer; "
+            "it loads as float.",
+            stacklevel=3,
+        )
+        return lambda model: model
+    return lambda model: quantize(model, 4, scheme="int4", group_size=INT4_GROUP, targets=modules)
 
 
 def _loader(tensor: HFTensor, reader, dtype, shape: tuple[int, ...]):
@@ -210,6 +225,7 @@ def from_pretrained(
     dtype=None,
     sharding: ShardingConfig | None = None,
     progress: bool = True,
+    keep_quantized: bool = False,
     **config_overrides,
 ):
     """Load a Hugging Face checkpoint directory or a GGUF file.
@@ -230,6 +246,11 @@ def from_pretrained(
     - `sharding`: a [`eqdel.ShardingConfig`][] to place the parameters on its mesh, or
         `None` for the default device.
     - `progress`: show a progress bar.
+    - `keep_quantized`: for a GGUF file, keep the decoder's linear layers that are
+        stored as Q4_0 or Q4_1 blocks (in every layer) as [`eqdel.Int4Linear`][] with
+        groups of 32: the codes as stored, the float16 scales and offsets in `dtype`.
+        The model computes what the dequantised float one does, in a quarter of the
+        bytes (float32 scales and offsets add one eighth). Other layers load as float.
     - `**config_overrides`: config fields to set, such as `scan_layers=False`.
 
     **Returns:**
@@ -247,8 +268,13 @@ def from_pretrained(
     if not jnp.issubdtype(dtype, jnp.floating):
         raise CheckpointError(f"dtype {dtype.name} cannot hold model weights; use a float dtype.")
     if is_gguf(path):
-        reader = GGUFCheckpoint(path)
+        reader = GGUFCheckpoint(path, keep_int4=keep_quantized)
         hf, source = reader.hf_config, f"the metadata of {path.name}"
+    elif keep_quantized:
+        raise CheckpointError(
+            f"{path}: keep_quantized applies to GGUF files; an eqdel checkpoint loads "
+            "quantized as it was saved."
+        )
     else:
         reader, hf, source = None, read_config(path), "config.json"
     model_type = hf.get("model_type")
@@ -263,6 +289,8 @@ def from_pretrained(
         config = dataclasses.replace(config, generation_config=generation)
     model_class = MODEL_TYPES[model_type]
     quantization = _quantization(path, hf)
+    if keep_quantized:
+        quantization = _gguf_int4(path, reader.int4_modules)
     skeleton = eqx.filter_eval_shape(
         lambda: quantization(model_class(config, dtype=dtype, key=jax.random.key(0)))
     )
