@@ -1,7 +1,8 @@
 """Quantization judged on a real model and real text: the perplexity of SmolLM2-135M
-(or any GGUF / checkpoint given) in float32, int8 and NF4, rounded to nearest and by
-GPTQ, against a bitsandbytes-style NF4 reference on the same weights; with the time
-each quantization takes and batch-1 decode speed.
+(or any GGUF / checkpoint given) in float32, int8, NF4 and int4, rounded to nearest and
+by GPTQ, against a bitsandbytes-style NF4 reference on the same weights, and (for a GGUF
+file) with its Q4_0 / Q4_1 layers kept as int4; with the time each quantization takes
+and batch-1 decode speed.
 
 The text scored is the English passage shipped with eqdel (`eqdel perplexity`'s
 default); GPTQ calibrates on different text: the shipped corpus and instruction set.
@@ -78,6 +79,7 @@ def main():
 
     path = Path(args.model) if args.model else eqdel.smollm2_gguf()
     model = eqdel.from_pretrained(path, progress=False)
+    gguf = path.suffix == ".gguf"
     tokenizer = eqdel.load_tokenizer(path)
     text = np.asarray(tokenizer.encode(perplexity_text_file().read_text()).ids, np.int32)
     calibration = np.asarray(tokenizer.encode(calibration_text()).ids, np.int32)
@@ -93,7 +95,16 @@ def main():
         "bitsandbytes-style NF4, blocks of 64": lambda: bitsandbytes_style_nf4(model, 64),
         "NF4 g64 GPTQ": lambda: eqdel.quantize(model, 4, group_size=64, calibration=calibration),
         "NF4 g32 GPTQ": lambda: eqdel.quantize(model, 4, group_size=32, calibration=calibration),
+        "int4 g32": lambda: eqdel.quantize(model, 4, scheme="int4", group_size=32),
+        "int4 g64": lambda: eqdel.quantize(model, 4, scheme="int4", group_size=64),
+        "int4 g64 GPTQ": lambda: eqdel.quantize(
+            model, 4, scheme="int4", group_size=64, calibration=calibration
+        ),
     }
+    if gguf:
+        recipes["GGUF Q4 blocks kept as int4"] = lambda: eqdel.from_pretrained(
+            path, progress=False, keep_quantized=True
+        )
     results, variants = {}, {}
     for name, recipe in recipes.items():
         start = time.perf_counter()
@@ -111,7 +122,8 @@ def main():
         r["vs_float"] = r["perplexity"] / base - 1
 
     prompt = jnp.asarray(text[None, :16])
-    decoded = ["float32", "int8", "NF4 g64"]
+    decoded = ["float32", "int8", "NF4 g64", "int4 g32"]
+    decoded += ["GGUF Q4 blocks kept as int4"] if gguf else []
     seconds = interleaved_medians(
         {
             name: lambda m=variants[name]: eqdel.generate(

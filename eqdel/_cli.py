@@ -180,14 +180,16 @@ def _perplexity(args) -> int:
 
     text_file = Path(args.text) if args.text else perplexity_text_file()
     tokenizer = load_tokenizer(args.model)
-    model = from_pretrained(args.model, dtype=args.dtype, progress=False)
+    model = from_pretrained(
+        args.model, dtype=args.dtype, progress=False, keep_quantized=args.keep_quantized
+    )
     ids = tokenizer.encode(text_file.read_text()).ids
-    described = ""
+    described = "GGUF Q4 blocks kept as int4: " if args.keep_quantized else ""
     if args.quantize:
         from ._quant import quantize
 
-        bits = {"int8": 8, "nf4": 4}[args.quantize]
-        model = quantize(model, bits, group_size=args.group_size)
+        bits = 8 if args.quantize == "int8" else 4
+        model = quantize(model, bits, scheme=args.quantize, group_size=args.group_size)
         described = args.quantize + (f" (groups of {args.group_size})" if bits == 4 else "") + ": "
     result = perplexity(model, ids, window=args.window, stride=args.stride)
     print(
@@ -276,13 +278,21 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_argument("--window", type=int, default=None, help="tokens per window")
     perplexity.add_argument("--stride", type=int, default=None, help="tokens between windows")
     perplexity.add_argument("--dtype", choices=_DTYPES, default="float32")
-    perplexity.add_argument(
+    weights = perplexity.add_mutually_exclusive_group()
+    weights.add_argument(
         "--quantize",
-        choices=("int8", "nf4"),
+        choices=("int8", "nf4", "int4"),
         default=None,
         help="score the model quantized (rounded to nearest) rather than as loaded",
     )
-    perplexity.add_argument("--group-size", type=int, default=64, help="NF4 inputs per scale")
+    perplexity.add_argument(
+        "--group-size", type=int, default=64, help="NF4 / int4 inputs per scale"
+    )
+    weights.add_argument(
+        "--keep-quantized",
+        action="store_true",
+        help="a GGUF file's Q4_0 / Q4_1 layers as int4 codes, not dequantised to float",
+    )
     perplexity.set_defaults(run=_perplexity)
 
     convert = commands.add_parser(

@@ -328,45 +328,21 @@ class Int4Linear(eqx.Module):
         self.axes = linear.axes
         self.checkpoint_transposed = linear.checkpoint_transposed
 
-    def _halves(
-        self, dtype
-    ) -> tuple[
-        Float[Array, "*layers packed out_features"], Float[Array, "*layers packed out_features"]
-    ]:
-        """The dequantised weights of the first and of the second half of every block's
-        inputs (the low and the high four bits of the codes)."""
-        *lead, packed, n_out = self.codes.shape
-        groups = self.scales.shape[-2]
-        scales = self.scales.astype(dtype)[..., None, :]
-        offsets = self.offsets.astype(dtype)[..., None, :]
-
-        def dequantised(codes):
-            codes = codes.reshape(*lead, groups, self.group_size // 2, n_out).astype(dtype)
-            return (codes * scales + offsets).reshape(*lead, packed, n_out)
-
-        return dequantised(self.codes & 15), dequantised(self.codes >> 4)
-
     def weight(self, dtype) -> Float[Array, "*layers in_features out_features"]:
         """The dequantised weight."""
-        low, high = self._halves(dtype)
-        *lead, packed, n_out = low.shape
-        half = self.group_size // 2
-        halves = [h.reshape(*lead, -1, 1, half, n_out) for h in (low, high)]
-        both = jnp.concatenate(halves, axis=-3).reshape(*lead, 2 * packed, n_out)
-        return both[..., : self.in_features, :]
+        *lead, packed, n_out = self.codes.shape
+        groups = self.scales.shape[-2]
+        codes = self.codes.reshape(*lead, groups, 1, self.group_size // 2, n_out)
+        codes = jnp.concatenate([codes & 15, codes >> 4], axis=-3)
+        codes = codes.reshape(*lead, groups, self.group_size, n_out).astype(dtype)
+        scales = self.scales.astype(dtype)[..., None, :]
+        values = codes * scales + self.offsets.astype(dtype)[..., None, :]
+        return values.reshape(*lead, 2 * packed, n_out)[..., : self.in_features, :]
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
     ) -> Float[Array, "*batch out_features"]:
-        # Two products, one per half of every block, rather than one with the weight put
-        # back in order: interleaving the halves costs more than the product at batch 1.
-        *batch, n_in = x.shape
-        low, high = self._halves(x.dtype)
-        padded = 2 * low.shape[-2]
-        x = jnp.pad(x, [(0, 0)] * len(batch) + [(0, padded - n_in)])
-        x = x.reshape(*batch, -1, 2, self.group_size // 2)
-        y = matmul(x[..., 0, :].reshape(*batch, -1), low)
-        y = y + matmul(x[..., 1, :].reshape(*batch, -1), high)
+        y = matmul(x, self.weight(x.dtype))
         return y if self.bias is None else y + self.bias.astype(y.dtype)
 
 

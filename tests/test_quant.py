@@ -163,8 +163,8 @@ def test_gptq_rounding_lowers_output_error_and_stays_on_the_grid(scheme):
     rounded = gptq_round(layer.weight, x.T @ x, scales, values)
     again = build(eqx.tree_at(lambda m: m.weight, layer, rounded))
     # On the grid: rounding again gives every value back (int4's `code * scale + offset`
-    # may round differently where it is fused into one multiply-add: 1e-8, against
-    # steps of 1e-3 between codes).
+    # may round differently where it is fused into one multiply-add: by 1e-8, where codes
+    # are 1e-3 apart).
     atol = 1e-6 * float(jnp.abs(rounded).max()) if scheme == "int4" else 0
     np.testing.assert_allclose(again.weight(jnp.float32), rounded, rtol=0, atol=atol)
 
@@ -257,8 +257,9 @@ def test_quantized_models_shard_generate_and_dequantize(trained, bits, scheme):
     # 8, where float32's spacing is 1e-6, so the bound is a few ulps of the largest logit.
     scale = float(jnp.abs(want).max())
     np.testing.assert_allclose(forward(sharded), want, atol=2e-6 * scale, rtol=0)
-    # int4 layers multiply the two halves of every block of inputs in two products, whose
-    # sum rounds in another order than the dequantised layer's one product.
+    # int4's `code * scale + offset` rounds once where the compiler fuses it into one
+    # multiply-add and twice where it does not, so the dequantised weights may differ from
+    # those inside the compiled forward pass in their last bit.
     atol = 2e-6 * scale if scheme == "int4" else 0
     np.testing.assert_allclose(
         forward(eqdel.dequantize(quantized)), forward(quantized), atol=atol, rtol=0

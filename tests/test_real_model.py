@@ -253,6 +253,27 @@ def test_perplexity_command_scores_the_quantized_model(smollm2_file, model, text
     assert abs(scored.perplexity / float_model.perplexity - 1) < 0.005  # int8 costs little
 
 
+def test_q4_blocks_kept_as_int4_score_as_the_float_model(smollm2_file, model, text_ids):
+    kept = eqdel.from_pretrained(smollm2_file, progress=False, keep_quantized=True)
+    layers = kept.model.layers
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert isinstance(getattr(layers.self_attn, name), eqdel.Int4Linear)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert isinstance(getattr(layers.mlp, name), eqdel.Int4Linear)
+    # Half a byte per weight, and a float32 scale and offset per 32 weights: 3/16 of float32.
+    kept_bytes, float_bytes = (
+        sum(x.nbytes for x in jax.tree.leaves(m.model.layers) if x.ndim >= 3)
+        for m in (kept, model)
+    )
+    assert kept_bytes / float_bytes == pytest.approx(3 / 16)
+    out = _cli("perplexity", str(smollm2_file), "--keep-quantized", "--window", "512")
+    assert out.returncode == 0, out.stderr
+    scored = eqdel.evaluate.perplexity(kept, text_ids, window=512, progress=False)
+    assert f"GGUF Q4 blocks kept as int4: perplexity {scored.perplexity:.4f} " in out.stdout
+    float_model = eqdel.evaluate.perplexity(model, text_ids, window=512, progress=False)
+    assert abs(scored.perplexity / float_model.perplexity - 1) < 1e-5  # the same weights
+
+
 def test_finetune_reads_conversations_through_the_chat_template(smollm2_file, tmp_path):
     """Two LoRA steps on the embedded instruction set: the run saves a model that carries
     the tokenizer and chat template on."""
