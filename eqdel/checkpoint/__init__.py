@@ -4,6 +4,7 @@ from ._errors import CheckpointError as CheckpointError
 from ._gguf import (
     GGUF_ARCHITECTURES as GGUF_ARCHITECTURES,
     GGUF_TENSOR_TYPES as GGUF_TENSOR_TYPES,
+    INT4_BLOCK_TYPES as INT4_BLOCK_TYPES,
     GGUFCheckpoint as GGUFCheckpoint,
 )
 from ._layout import HFTensor as HFTensor, hf_layout as hf_layout
