@@ -249,8 +249,9 @@ def from_pretrained(
     - `keep_quantized`: for a GGUF file, keep the decoder's linear layers that are
         stored as Q4_0 or Q4_1 blocks (in every layer) as [`eqdel.Int4Linear`][] with
         groups of 32: the codes as stored, the float16 scales and offsets in `dtype`.
-        The model computes what the dequantised float one does, in a quarter of the
-        bytes (float32 scales and offsets add one eighth). Other layers load as float.
+        The model computes what the dequantised float one does; the codes take an
+        eighth of float32's bytes, float32 scales and offsets a sixteenth more. Other
+        layers load as float.
     - `**config_overrides`: config fields to set, such as `scan_layers=False`.
 
     **Returns:**
