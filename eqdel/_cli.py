@@ -77,8 +77,8 @@ def _finetune(args) -> int:
 
 
 def _load(path: str, **kwargs):
-    """A model with its tokenizer and generation defaults, from a checkpoint directory
-    or a GGUF file."""
+    """A model in its generation form (built once, not on every reply), with its
+    tokenizer and generation defaults, from a checkpoint directory or a GGUF file."""
     from pathlib import Path
 
     from ._generation_config import GenerationConfig
@@ -87,7 +87,7 @@ def _load(path: str, **kwargs):
 
     path = Path(path)
     tokenizer = load_tokenizer(path)
-    model = from_pretrained(path, progress=False, **kwargs)
+    model = from_pretrained(path, progress=False, **kwargs).for_generation()
     defaults = GenerationConfig.from_model_config(model.config)
     return model, tokenizer, defaults
 

@@ -4,12 +4,13 @@ import equinox as eqx
 import jax
 
 
-def unstack_layers(stacked: eqx.Module) -> tuple[eqx.Module, ...]:
+def unstack_layers(stacked: eqx.Module | tuple[eqx.Module, ...]) -> tuple[eqx.Module, ...]:
     """Split stacked layers into one module per layer.
 
     **Arguments:**
 
-    - `stacked`: layers from [`eqdel.nn.stack_layers`][].
+    - `stacked`: layers from [`eqdel.nn.stack_layers`][] (a tuple of layers is
+        returned as it is).
 
     **Returns:**
 
@@ -18,6 +19,8 @@ def unstack_layers(stacked: eqx.Module) -> tuple[eqx.Module, ...]:
     (the decode loop) reads each layer's weights in place this way, where slicing the
     stacked arrays inside the loop copies them on every pass.
     """
+    if isinstance(stacked, tuple):
+        return stacked
     dynamic, static = eqx.partition(stacked, eqx.is_array)
     count = jax.tree.leaves(dynamic)[0].shape[0]
     return tuple(

@@ -70,6 +70,41 @@ def test_greedy_matches_transformers_on_left_padded_batch(model_type, overrides,
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "overrides"), [("qwen2", {}), ("phi3", {"pad_token_id": 0})]
+)
+def test_generation_form_fuses_projections_and_generates_the_same(model_type, overrides, tmp_path):
+    hf_model = make_hf_model(model_type, **overrides)
+    model = load(tmp_path, hf_model)
+    prepared = model.for_generation()
+    layer = prepared.model.layers[0]
+    assert isinstance(prepared.model.layers, tuple)
+    assert layer.self_attn.q_proj is None and layer.self_attn.qkv_proj is not None
+    assert (layer.self_attn.qkv_proj.bias is not None) == (model_type == "qwen2")
+    assert layer.mlp.gate_proj is None and layer.mlp.gate_up_proj is not None
+    # Already in that form: nothing is copied again.
+    for a, b in zip(jax.tree.leaves(prepared.for_generation()), jax.tree.leaves(prepared)):
+        assert a is b
+    ids, mask = left_padded_prompts()
+    call = jax.jit(lambda m: m(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits)
+    np.testing.assert_allclose(call(prepared), call(model), rtol=0, atol=1e-6)
+    args = dict(max_new_tokens=10, eos_token_id=[], pad_token_id=PAD)
+    got = eqdel.generate(prepared, jnp.asarray(ids), jnp.asarray(mask), **args)
+    np.testing.assert_array_equal(np.asarray(got), hf_generate(hf_model, ids, mask, 10))
+    streamed = eqdel.stream_generate(prepared, jnp.asarray(ids), jnp.asarray(mask), **args)
+    np.testing.assert_array_equal(np.stack(list(streamed), axis=1), np.asarray(got)[:, 8:])
+
+
+def test_generation_form_leaves_quantized_and_adapted_projections(tmp_path, getkey):
+    model = load(tmp_path, make_hf_model("llama"))
+    quantized = eqdel.quantize(model, 8).for_generation().model.layers[0]
+    assert quantized.self_attn.qkv_proj is None and quantized.mlp.gate_up_proj is None
+    adapted = eqdel.apply_lora(model, 2, 4.0, ("q_proj",), key=getkey())
+    layer = adapted.for_generation().model.layers[0]
+    assert layer.self_attn.qkv_proj is None and type(layer.self_attn.q_proj) is eqdel.LoRALinear
+    assert layer.mlp.gate_up_proj is not None  # not adapted, so fused
+
+
 def test_end_token_stops_rows_and_pads(tmp_path):
     hf_model = make_hf_model("llama")
     model = load(tmp_path, hf_model)

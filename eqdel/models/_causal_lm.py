@@ -13,7 +13,7 @@ from .. import axes as ax
 from .._cache import KVCache
 from .._placement import constrain
 from ..attention import AttentionMask
-from ..nn import run_layers
+from ..nn import fuse_projections, run_layers
 from ._outputs import CausalLMOutput
 
 _HIDDEN_AXES = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -173,6 +173,20 @@ class CausalLM(eqx.Module):
         place (slicing stacked weights inside the loop copies them on every step). The
         results equal the stacked model's."""
         return eqx.tree_at(lambda m: m.get_decoder(), self, self.get_decoder().unstacked())
+
+    def for_generation(self) -> "CausalLM":
+        """This model in the form the decode loop of [`eqdel.generate`][] runs on the
+        CPU backend: one module per layer (`unstacked`), and the projections that read
+        one input made one product ([`eqdel.nn.fuse_projections`][]). Its outputs equal
+        this model's.
+
+        On the CPU backend, slicing a layer out of stacked weights inside a loop copies
+        it on every pass, so `generate` builds this form from a stacked model on each
+        call: a copy of the decoder's weights, written to fresh memory. Build it once
+        and pass it to `generate` or `stream_generate` to skip that copy (and the page
+        faults of fresh memory). Train and save the original: this form's parameters
+        are not laid out as the checkpoint's."""
+        return fuse_projections(self.unstacked())
 
     # -- generation -------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from ._activations import ACTIVATIONS as ACTIVATIONS, activation as activation
 from ._attention import Attention as Attention
 from ._embedding import Embedding as Embedding
+from ._fuse import fuse_projections as fuse_projections
 from ._linear import Linear as Linear
 from ._mlp import GatedMLP as GatedMLP
 from ._moe import ExpertLinear as ExpertLinear, Experts as Experts, SparseMoE as SparseMoE

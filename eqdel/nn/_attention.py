@@ -8,7 +8,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .. import axes as ax
 from .._cache import KVLayer
 from ..attention import ATTENTION_MECHANISMS, AttentionMask, attention
-from ._linear import Linear
+from ._linear import Linear, concatenated
 from ._norm import RMSNorm
 from ._rotary import apply_rotary
 
@@ -120,6 +120,20 @@ class Attention(eqx.Module):
         self.block_q = block_q
         self.block_k = block_k
         self.shard_computation = shard_computation
+
+    def fused(self) -> "Attention":
+        """This block with its query, key and value projections made one `qkv_proj`:
+        one matrix product instead of three, the same outputs. Returned unchanged when
+        they are already fused or are not plain `Linear`s (quantized, LoRA)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(type(p) is Linear for p in projections):
+            return self
+        return eqx.tree_at(
+            lambda a: (a.q_proj, a.k_proj, a.v_proj, a.qkv_proj),
+            self,
+            (None, None, None, concatenated(projections)),
+            is_leaf=lambda x: x is None,
+        )
 
     def project(
         self,

@@ -1,6 +1,7 @@
 """A dense layer whose weight is stored `[in, out]` and carries semantic axes."""
 
 import functools
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -146,3 +147,26 @@ class Linear(eqx.Module):
         if self.bias is not None:
             y = y + trailing(self.bias, y.ndim)
         return y
+
+
+def concatenated(layers: Sequence[Linear]) -> Linear:
+    """One `Linear` whose outputs are those of `layers` one after another.
+
+    **Arguments:**
+
+    - `layers`: `Linear`s over the same inputs, all with or all without a bias.
+
+    **Returns:**
+
+    A `Linear` with the weights (and biases) concatenated along the outputs and the
+    first layer's axes and checkpoint layout.
+    """
+    weight = jnp.concatenate([layer.weight for layer in layers], axis=-1)
+    biases = [layer.bias for layer in layers]
+    bias = None if biases[0] is None else jnp.concatenate(biases, axis=-1)
+    return eqx.tree_at(
+        lambda layer: (layer.weight, layer.bias),
+        layers[0],
+        (weight, bias),
+        is_leaf=lambda x: x is None,
+    )

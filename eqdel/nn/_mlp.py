@@ -7,7 +7,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from .. import axes as ax
 from ._activations import activation
-from ._linear import Linear
+from ._linear import Linear, concatenated
 
 
 class GatedMLP(eqx.Module):
@@ -61,6 +61,20 @@ class GatedMLP(eqx.Module):
             intermediate_size, hidden_size, axes=into[::-1], key=k_down, **common
         )
         self.hidden_act = hidden_act
+
+    def fused(self) -> "GatedMLP":
+        """This block with its gate and up projections made one `gate_up_proj`: one
+        matrix product instead of two, the same outputs. Returned unchanged when they
+        are already fused or are not plain `Linear`s (quantized, LoRA)."""
+        projections = (self.gate_proj, self.up_proj)
+        if not all(type(p) is Linear for p in projections):
+            return self
+        return eqx.tree_at(
+            lambda m: (m.gate_proj, m.up_proj, m.gate_up_proj),
+            self,
+            (None, None, concatenated(projections)),
+            is_leaf=lambda x: x is None,
+        )
 
     def __call__(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch embed"]:
         """**Arguments:**
