@@ -130,7 +130,10 @@ def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidt
     train_ids = {"input_ids": jnp.asarray(prefill_ids, jnp.int32)}
     optimizer = optax.adamw(1e-5)
     step = make_train_step(causal_lm_loss, optimizer)
-    state = init_train_state(model, optimizer, jax.random.key(0))
+    # Saving only the weight products' outputs for the backward pass, as the training
+    # guide advises on CPU: the step writes half the memory and is 1.2-1.8x as fast.
+    trained = eqdel.from_pretrained(path, dtype=dtype, progress=False, remat_policy=TRAIN_REMAT)
+    state = init_train_state(trained, optimizer, jax.random.key(0))
     their_step = torch_train_step(hf_model, prefill_ids, lr=1e-5)
 
     def our_step():
@@ -146,6 +149,9 @@ def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidt
     results["weight_bytes"] = weight_bytes
     return results, logits
 
+
+TRAIN_REMAT = "dots_with_no_batch_dims_saveable"
+"""The remat policy of eqdel's train step."""
 
 _TARGETS = {
     "prefill": 1.0,
@@ -218,6 +224,7 @@ def main():
         {
             "model": str(path),
             "args": vars(args),
+            "train_remat_policy": TRAIN_REMAT,
             "matmul_peak_flops_per_s": peaks,
             "copy_bandwidth_bytes_per_s": bandwidth,
             "results": results,
@@ -231,7 +238,8 @@ def main():
                     f"{p['torch_flops_per_s'] / 1e9:.0f} GFLOP/s"
                     for d, p in peaks.items()
                 )
-                + f"; copy bandwidth {bandwidth / 1e9:.1f} GB/s",
+                + f"; copy bandwidth {bandwidth / 1e9:.1f} GB/s; eqdel trains with "
+                f"remat_policy={TRAIN_REMAT}",
                 [
                     "dtype",
                     "",
