@@ -93,7 +93,7 @@ def _generate(model, input_ids, attention_mask, key, config: GenerationConfig):
     state = prefill(model, input_ids, attention_mask, config, key)
     total = input_ids.shape[1] + config.max_new_tokens
     if jax.default_backend() == "cpu":
-        model, state = _unstacked(model, state)
+        model, state = _generation_form(model, state)
 
     def running(state):
         return (state.length < total) & ~jnp.all(state.finished)
@@ -102,7 +102,7 @@ def _generate(model, input_ids, attention_mask, key, config: GenerationConfig):
     return state.tokens
 
 
-def _unstacked(model, state: DecodeState):
+def _generation_form(model, state: DecodeState):
     """The model and cache with one array per layer for the decode steps (see
     `CausalLM.for_generation`); no copy when the model is in that form already."""
     kwargs = dict(state.model_kwargs, cache=state.model_kwargs["cache"].unstacked())
