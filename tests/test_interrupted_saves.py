@@ -84,6 +84,11 @@ exec(SETUP, namespace)
 _model, _train_state = namespace["model"], namespace["train_state"]
 
 
+def _whole_lines(log: Path) -> list[str]:
+    """The lines of `log` that end in a newline."""
+    return [x for x in log.read_text().splitlines(keepends=True) if x.endswith("\n")]
+
+
 def _kill_at_random(kind: str, out: Path, sources: list[str], rng: random.Random) -> float:
     """Start a child saving in a loop, kill it at a random moment; the delay used."""
     log = out.with_suffix(".log")
@@ -93,7 +98,8 @@ def _kill_at_random(kind: str, out: Path, sources: list[str], rng: random.Random
         )
     try:
         deadline = time.monotonic() + 120
-        while not (ready := [x for x in log.read_text().splitlines() if x.startswith("READY")]):
+        # Only whole lines: the child's buffered output can reach the file mid-line.
+        while not (ready := [x for x in _whole_lines(log) if x.startswith("READY ")]):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.01)
         delay = rng.uniform(0, 2.5 * float(ready[0].split()[1]))
