@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,6 +149,38 @@ def test_unstacked_layers_equal_stacked_with_and_without_cache(tmp_path):
     np.testing.assert_allclose(
         mixed.logits, call(model, token, stacked_out.cache).logits, rtol=0, atol=1e-6
     )
+
+
+def test_bfloat16_scan_reads_layers_in_place_and_equals_unstacked(tmp_path):
+    """A bfloat16 model keeps float32 activations on CPU; its scan slices each layer out
+    of the stacked weights without a float32 copy of the stack, and its gradients equal
+    the unstacked model's."""
+    load(tmp_path, make_hf_model("llama", num_hidden_layers=3))
+    model = eqdel.from_pretrained(tmp_path / "hf", dtype="bfloat16", progress=False)
+    f32 = eqdel.from_pretrained(tmp_path / "hf", progress=False)
+    ids = jnp.asarray(random_ids(2, 9))
+    forward = jax.jit(lambda m: m(ids).logits)
+    logits = forward(model)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(logits, forward(f32), rtol=0, atol=0.05)
+    hlo = forward.lower(model).compile().as_text()
+    for leaf in jax.tree.leaves(model.model.layers):
+        assert leaf.dtype == jnp.bfloat16
+        assert f"f32[{','.join(map(str, leaf.shape))}]" not in hlo, leaf.shape
+
+    def loss(m):
+        return jnp.mean(jax.nn.log_softmax(m(ids).logits)[..., 0])
+
+    stacked = jax.jit(jax.grad(loss))(model)
+    unstacked = jax.jit(jax.grad(loss))(model.unstacked())
+    layers = jax.tree.map(lambda *each: jnp.stack(each), *unstacked.model.layers)
+    unstacked = eqx.tree_at(lambda m: m.model.layers, unstacked, layers)
+    for got, want in zip(jax.tree.leaves(stacked), jax.tree.leaves(unstacked), strict=True):
+        assert got.dtype == jnp.bfloat16
+        scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=scale / 64
+        )
 
 
 def test_hidden_states_and_inputs_embeds_match_transformers(tmp_path):

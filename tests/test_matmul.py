@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqdel.nn import activation_dtype
 from eqdel.nn._linear import matmul
 
 BF16_ULP = 2.0**-7  # the relative spacing of bfloat16 numbers
@@ -54,3 +55,34 @@ def test_float32_matmul_is_the_plain_product(getkey):
         rtol=1e-6,
         atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_float32_inputs_to_a_bfloat16_weight_round_once_and_return_float32(getkey, transposed):
+    """A 16-bit model keeps float32 activations on CPU (`activation_dtype`): the product
+    reads them rounded to the weight's dtype and returns its float32 accumulation."""
+    assert activation_dtype(jnp.bfloat16) == jnp.float32
+    assert activation_dtype(jnp.float32) == jnp.float32
+    x = jax.random.normal(getkey(), (3, 7, 48), jnp.float32)
+    shape = (40, 48) if transposed else (48, 40)
+    weight = jax.random.normal(getkey(), shape, jnp.float32).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(getkey(), (3, 7, 40), jnp.float32)
+
+    out = matmul(x, weight, transposed=transposed)
+    grads = jax.grad(_loss, argnums=(0, 1))(x, weight, cotangent, transposed)
+
+    rounded, w32 = x.astype(jnp.bfloat16).astype(jnp.float32), weight.astype(jnp.float32)
+    assert out.dtype == jnp.float32
+    # Products of bfloat16 numbers are exact in float32: only the summation order differs.
+    np.testing.assert_allclose(
+        out, matmul(rounded, w32, transposed=transposed), rtol=1e-5, atol=1e-5
+    )
+    want = jax.grad(_loss, argnums=(0, 1))(
+        rounded, w32, cotangent.astype(jnp.bfloat16).astype(jnp.float32), transposed
+    )
+    for got, ref, dtype in zip(grads, want, (jnp.float32, jnp.bfloat16)):
+        assert got.dtype == dtype
+        scale = float(jnp.max(jnp.abs(ref)))
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(ref), rtol=BF16_ULP, atol=BF16_ULP * scale
+        )

@@ -13,7 +13,7 @@ from .. import axes as ax
 from .._cache import KVCache
 from .._placement import constrain
 from ..attention import AttentionMask
-from ..nn import fuse_projections, run_layers
+from ..nn import activation_dtype, fuse_projections, run_layers
 from ._outputs import CausalLMOutput
 
 _HIDDEN_AXES = (ax.BATCH, ax.LENGTH, ax.EMBED)
@@ -151,6 +151,7 @@ class CausalLM(eqx.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
         h = self.get_input_embeddings()(input_ids) if inputs_embeds is None else inputs_embeds
+        h = h.astype(activation_dtype(h.dtype))
         batch, seq, _ = h.shape
         if position_ids is None:
             start = 0 if cache is None else cache.length

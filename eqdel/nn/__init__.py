@@ -4,7 +4,7 @@ from ._activations import ACTIVATIONS as ACTIVATIONS, activation as activation
 from ._attention import Attention as Attention
 from ._embedding import Embedding as Embedding
 from ._fuse import fuse_projections as fuse_projections
-from ._linear import Linear as Linear
+from ._linear import Linear as Linear, activation_dtype as activation_dtype
 from ._mlp import GatedMLP as GatedMLP
 from ._moe import ExpertLinear as ExpertLinear, Experts as Experts, SparseMoE as SparseMoE
 from ._norm import LayerNorm as LayerNorm, RMSNorm as RMSNorm

@@ -21,10 +21,24 @@ def _dot(a: Array, b: Array, a_dim: int, b_dim: int) -> Float[Array, "m n"]:
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _low_precision_matmul(rows: Array, weight: Array, transposed: bool) -> Array:
+def activation_dtype(dtype) -> jnp.dtype:
+    """The dtype a model whose parameters are `dtype` keeps its activations in.
+
+    On the CPU backend, float32 for 16-bit parameters: XLA's CPU backend computes 16-bit
+    elementwise operations in float32 and rounds their results to 16 bits, and its
+    16-bit products are fast only when they accumulate in float32, so float32 activations
+    between the products are faster and closer to the float32 model. Elsewhere, `dtype`.
+    """
+    dtype = jnp.dtype(dtype)
+    if jax.default_backend() == "cpu" and dtype in _LOW_PRECISION:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _low_precision_matmul(rows: Array, weight: Array, transposed: bool, out_dtype) -> Array:
     """`rows @ weight` (`rows @ weight.T` when `transposed`) in a 16-bit dtype,
-    accumulated in float32.
+    accumulated in float32 and returned as `out_dtype`.
 
     XLA's CPU backend sends a 16-bit product to the CPU's bfloat16 matrix units (AMX,
     AVX-512 BF16) only when it accumulates in float32 and the left operand contracts its
@@ -34,15 +48,16 @@ def _low_precision_matmul(rows: Array, weight: Array, transposed: bool) -> Array
     leading dimension of both operands, and runs at float32 speed whichever way it is
     written.
     """
-    return _dot(rows, weight, 1, 1 if transposed else 0).astype(rows.dtype)
+    return _dot(rows, weight, 1, 1 if transposed else 0).astype(out_dtype)
 
 
-def _low_precision_matmul_fwd(rows, weight, transposed):
-    return _low_precision_matmul(rows, weight, transposed), (rows, weight)
+def _low_precision_matmul_fwd(rows, weight, transposed, out_dtype):
+    return _low_precision_matmul(rows, weight, transposed, out_dtype), (rows, weight)
 
 
-def _low_precision_matmul_bwd(transposed, residuals, grad):
+def _low_precision_matmul_bwd(transposed, out_dtype, residuals, grad):
     rows, weight = residuals
+    grad = grad.astype(weight.dtype)
     grad_rows = _dot(grad, weight, 1, 0 if transposed else 1)
     grad_weight = _dot(grad, rows, 0, 0) if transposed else _dot(rows, grad, 0, 0)
     return grad_rows.astype(rows.dtype), grad_weight.astype(weight.dtype)
@@ -63,11 +78,13 @@ def matmul(
     Flattened, the weight's gradient is one matmul contracting a single dimension of
     tokens. Contracting `[batch, seq]` as two dimensions, XLA's CPU backend first copies
     both operands into transposed layouts, which makes a linear layer's forward and
-    backward pass nearly twice as slow. In bfloat16 or float16 the product accumulates in
-    float32, which is what sends it to the CPU's 16-bit matrix units, and a transposed
-    weight is contracted where it lies (XLA converts a transposed 16-bit operand to
-    float32). Other backends keep `x @ weight` as written: on a mesh that shards both
-    `batch` and `seq`, the flattened form partitions with more collectives.
+    backward pass nearly twice as slow. With a bfloat16 or float16 weight the product
+    accumulates in float32, which is what sends it to the CPU's 16-bit matrix units, and
+    a transposed weight is contracted where it lies (XLA converts a transposed 16-bit
+    operand to float32). Float32 inputs to a 16-bit weight (see
+    [`eqdel.nn.activation_dtype`][]) are rounded to the weight's dtype and the product
+    returned in float32. Other backends keep `x @ weight` as written: on a mesh that
+    shards both `batch` and `seq`, the flattened form partitions with more collectives.
 
     **Arguments:**
 
@@ -82,8 +99,11 @@ def matmul(
     if jax.default_backend() != "cpu":
         return x @ (weight.T if transposed else weight)
     rows = x.reshape(-1, x.shape[-1])
-    if x.dtype == weight.dtype and x.dtype in _LOW_PRECISION:
-        rows = _low_precision_matmul(rows, weight, transposed)
+    if weight.dtype in _LOW_PRECISION and x.dtype in (
+        weight.dtype,
+        activation_dtype(weight.dtype),
+    ):
+        rows = _low_precision_matmul(rows.astype(weight.dtype), weight, transposed, x.dtype)
     else:
         rows = rows @ (weight.T if transposed else weight)
     return rows.reshape(*x.shape[:-1], rows.shape[-1])

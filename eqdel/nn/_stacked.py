@@ -7,6 +7,7 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from .._unstack import unstack_layers as unstack_layers
+from ._scan_bits import read_scanned, scanned_form
 
 
 def stack_layers(make: Callable[[PRNGKeyArray], eqx.Module], key: PRNGKeyArray, count: int):
@@ -74,6 +75,7 @@ def run_layers(
 
     def body(carry, inputs):
         layer, x = inputs
+        layer = read_scanned(layer)
         return step(eqx.combine(layer, static), carry, x)
 
     if remat != "none":
@@ -85,4 +87,5 @@ def run_layers(
             carry, y = body(carry, (eqx.filter(layer, eqx.is_array), x))
             ys.append(y)
         return carry, tuple(ys)
-    return jax.lax.scan(body, carry, (eqx.filter(stacked, eqx.is_array), xs), unroll=not scan)
+    arrays = scanned_form(eqx.filter(stacked, eqx.is_array))
+    return jax.lax.scan(body, carry, (arrays, xs), unroll=not scan)
