@@ -11,7 +11,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._field import field
 from ._broadcast import trailing
 
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+"""The 16-bit float dtypes, whose products on CPU accumulate in float32."""
 
 
 def _dot(a: Array, b: Array, a_dim: int, b_dim: int) -> Float[Array, "m n"]:
@@ -30,7 +31,7 @@ def activation_dtype(dtype) -> jnp.dtype:
     between the products are faster and closer to the float32 model. Elsewhere, `dtype`.
     """
     dtype = jnp.dtype(dtype)
-    if jax.default_backend() == "cpu" and dtype in _LOW_PRECISION:
+    if jax.default_backend() == "cpu" and dtype in LOW_PRECISION:
         return jnp.dtype(jnp.float32)
     return dtype
 
@@ -46,7 +47,7 @@ def _low_precision_matmul(rows: Array, weight: Array, transposed: bool, out_dtyp
     converts both operands to float32, slower than float32 throughout. The input
     gradient is written in that form too. The weight gradient contracts the tokens, the
     leading dimension of both operands, and runs at float32 speed whichever way it is
-    written.
+    written. The output's gradient is rounded to the weight's dtype for both.
     """
     return _dot(rows, weight, 1, 1 if transposed else 0).astype(out_dtype)
 
@@ -99,7 +100,7 @@ def matmul(
     if jax.default_backend() != "cpu":
         return x @ (weight.T if transposed else weight)
     rows = x.reshape(-1, x.shape[-1])
-    if weight.dtype in _LOW_PRECISION and x.dtype in (
+    if weight.dtype in LOW_PRECISION and x.dtype in (
         weight.dtype,
         activation_dtype(weight.dtype),
     ):

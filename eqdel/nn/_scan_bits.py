@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-_SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+from ._linear import LOW_PRECISION
 
 
 @jax.custom_vjp
@@ -73,7 +73,7 @@ def scanned_form(arrays):
     if jax.default_backend() != "cpu":
         return arrays
     return jax.tree.map(
-        lambda leaf: _Bits(*_scan_form(leaf), leaf.dtype) if leaf.dtype in _SIXTEEN_BIT else leaf,
+        lambda leaf: _Bits(*_scan_form(leaf), leaf.dtype) if leaf.dtype in LOW_PRECISION else leaf,
         arrays,
     )
 
