@@ -18,18 +18,19 @@ from jaxtyping import Array
 from ._linear import LOW_PRECISION
 
 
-@jax.custom_vjp
-def _scan_form(stack: Array) -> tuple[Array, Array]:
-    """`stack`'s bits as `uint16` and a float32 stand-in of its shape for its gradient."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scan_form(stack: Array, dtype) -> tuple[Array, Array]:
+    """`stack` (of `dtype`) as its bits, `uint16`, and a float32 stand-in of its shape
+    for its gradient."""
     return jax.lax.bitcast_convert_type(stack, jnp.uint16), jnp.zeros(stack.shape, jnp.float32)
 
 
-def _scan_form_fwd(stack):
-    return _scan_form(stack), jnp.zeros((0,), stack.dtype)
+def _scan_form_fwd(stack, dtype):
+    return _scan_form(stack, dtype), None
 
 
-def _scan_form_bwd(like, grads):
-    return (grads[1].astype(like.dtype),)
+def _scan_form_bwd(dtype, _, grads):
+    return (grads[1].astype(dtype),)
 
 
 _scan_form.defvjp(_scan_form_fwd, _scan_form_bwd)
@@ -73,7 +74,11 @@ def scanned_form(arrays):
     if jax.default_backend() != "cpu":
         return arrays
     return jax.tree.map(
-        lambda leaf: _Bits(*_scan_form(leaf), leaf.dtype) if leaf.dtype in LOW_PRECISION else leaf,
+        lambda leaf: (
+            _Bits(*_scan_form(leaf, leaf.dtype), leaf.dtype)
+            if leaf.dtype in LOW_PRECISION
+            else leaf
+        ),
         arrays,
     )
 
