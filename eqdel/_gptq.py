@@ -12,7 +12,7 @@ from ._paths import get_path
 from .nn import Linear
 
 GPTQ_DAMPING = 0.1
-"""The fraction of the Hessian's mean diagonal added to its diagonal before inverting it.
+"""The fraction of the Hessian's mean diagonal added to its diagonal before factorising it.
 With calibration sets of about a thousand tokens (fewer than a wide layer's inputs), the
 Hessian is far from full rank and GPTQ fits the calibration text: on SmolLM2-135M
 calibrated on 1,024 tokens, NF4 (groups of 64) perplexity rose 45% over float at 0.01,
@@ -93,21 +93,6 @@ def _block_size(n_in: int, largest: int = 32) -> int:
     return max(d for d in range(1, min(n_in, largest) + 1) if n_in % d == 0)
 
 
-def _upper_cholesky_of_inverse(
-    hessian: Float[Array, "n n"],
-) -> Float[Array, "n n"]:
-    """The upper triangular `U` with `Uᵀ U = hessian⁻¹`: row i says how the rounding error
-    of input i moves the inputs after it.
-
-    With `J` the reversal permutation and `M Mᵀ = J H J` (Cholesky), `U = J M⁻¹ J`: one
-    Cholesky factorisation and one triangular inverse, without inverting `H` itself (on
-    SmolLM2's 30 down projections, 1.8 s instead of 2.6 s).
-    """
-    lower = jnp.linalg.cholesky(hessian[::-1, ::-1])
-    identity = jnp.eye(hessian.shape[0], dtype=hessian.dtype)
-    return jax.scipy.linalg.solve_triangular(lower, identity, lower=True)[::-1, ::-1]
-
-
 @eqx.filter_jit
 def gptq_round(
     weight: Float[Array, "*layers in_features out_features"],
@@ -140,42 +125,58 @@ def gptq_round(
         diagonal = jnp.diagonal(gram)
         gram = gram + jnp.diag(jnp.where(diagonal == 0, 1.0, 0.0))
         order = jnp.argsort(-jnp.diagonal(gram))
-        hessian = gram[order][:, order]
-        hessian = hessian + GPTQ_DAMPING * jnp.mean(jnp.diagonal(hessian)) * jnp.eye(n_in)
-        factor = _upper_cholesky_of_inverse(hessian)
+        # GPTQ moves the rounding error of input `i` onto each later input `j` in
+        # proportion to `U_ij / U_ii`, with `Uᵀ U = H⁻¹` (H the damped Hessian in rounding
+        # order, U upper triangular). Equivalently, input `j` rounds from
+        # `w_j + Σ_{i<j} V_ij / V_jj (w_i - q_i)` with `V = U⁻¹`, the upper triangular
+        # `V Vᵀ = H`: the Cholesky factor of H with rows and columns reversed. One
+        # factorisation gives it, with no inverse (on SmolLM2's 30 down projections,
+        # 1.1 s instead of 1.7 s).
+        reverse = order[::-1]
+        reversed_hessian = gram[reverse].T[reverse]  # the gram is symmetric
+        damping = GPTQ_DAMPING * jnp.mean(jnp.diagonal(gram))
+        # Transposed, the factor is what LAPACK writes: its rows are the columns read.
+        reversed_factor_t = jax.lax.linalg.cholesky(
+            reversed_hessian + damping * jnp.eye(n_in), symmetrize_input=False
+        ).T
+        pivots = jnp.diagonal(reversed_factor_t)[::-1]
         weight = weight[order]
         scales = jax.tree.map(lambda a: a[order], scales)
         block = _block_size(n_in)
 
         def round_block(b, carry):
-            # Rows of this block, one at a time, moving each error onto the block's
-            # later rows; then every row after the block takes the block's errors at
-            # once, in one matmul (the "lazy batch" update of the GPTQ paper).
-            w, rounded = carry
+            # The block's rows take every earlier block's errors at once, in one matmul
+            # (the "lazy batch" of the GPTQ paper); then its rows are rounded one at a
+            # time, each moving its error onto the block's later rows.
+            errors, rounded = carry
             start = b * block
-            rows = jax.lax.dynamic_slice_in_dim(w, start, block)
+            rows = jax.lax.dynamic_slice_in_dim(weight, start, block)
             row_scales = jax.tree.map(
                 lambda a: jax.lax.dynamic_slice_in_dim(a, start, block), scales
             )
-            influence = jax.lax.dynamic_slice_in_dim(factor, start, block)  # [block, n_in]
-            inner = jax.lax.dynamic_slice_in_dim(influence, start, block, axis=1)
+            factor_rows = jax.lax.dynamic_slice_in_dim(
+                reversed_factor_t, n_in - start - block, block
+            )
+            pull = (
+                factor_rows[::-1, ::-1]
+                / jax.lax.dynamic_slice_in_dim(pivots, start, block)[:, None]
+            )  # [block, n_in]
+            targets = rows + pull @ errors  # errors are zero from this block on
+            inner = jax.lax.dynamic_slice_in_dim(pull, start, block, 1).T  # upper triangular
 
             def round_row(j, carry):
-                # The factor is upper triangular: the update leaves the rows before `j`
-                # alone and makes row `j` its rounded value, already recorded.
-                rows, values, errors = carry
-                q = fake_quantize(rows[j], jax.tree.map(lambda a: a[j], row_scales))
-                error = (rows[j] - q) / inner[j, j]
-                rows = rows - inner[j][:, None] * error[None, :]
-                return rows, values.at[j].set(q), errors.at[j].set(error)
+                # Row `j` moves only the rows after it (and itself, no longer read).
+                targets, values = carry
+                q = fake_quantize(targets[j], jax.tree.map(lambda a: a[j], row_scales))
+                targets = targets + inner[j][:, None] * (rows[j] - q)[None, :]
+                return targets, values.at[j].set(q)
 
-            empty = jnp.zeros_like(rows)
-            _, values, errors = jax.lax.fori_loop(0, block, round_row, (rows, empty, empty))
-            w = w - influence.T @ errors  # zero above the block; the block is done
-            return w, jax.lax.dynamic_update_slice_in_dim(rounded, values, start, 0)
+            _, values = jax.lax.fori_loop(0, block, round_row, (targets, jnp.zeros_like(rows)))
+            errors = jax.lax.dynamic_update_slice_in_dim(errors, rows - values, start, 0)
+            return errors, jax.lax.dynamic_update_slice_in_dim(rounded, values, start, 0)
 
-        start = (weight, jnp.zeros(weight.shape, jnp.float32))
-        _, rounded = jax.lax.fori_loop(0, n_in // block, round_block, start)
+        zeros = jnp.zeros(weight.shape, jnp.float32)
+        _, rounded = jax.lax.fori_loop(0, n_in // block, round_block, (zeros, zeros))
         return rounded[jnp.argsort(order)]
 
     flat = jax.vmap(one)(

@@ -3,12 +3,15 @@
 integers, two per byte, a scale and an offset per block of inputs)."""
 
 import warnings
+from collections.abc import Sequence
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, Int8, Shaped, UInt8
+from tqdm.auto import tqdm
 
 from ._field import field
 from ._gptq import gptq_round, input_grams
@@ -35,6 +38,9 @@ NF4_LEVELS = (
     1.0,
 )
 """The 16 NF4 values: quantiles of a standard normal scaled to [-1, 1] (QLoRA)."""
+
+_NF4_MIDPOINTS = (np.float32(NF4_LEVELS[1:]) + np.float32(NF4_LEVELS[:-1])) / np.float32(2)
+"""The 15 float32 midpoints between consecutive NF4 levels."""
 
 
 def _safe(scales: Array) -> Array:
@@ -82,8 +88,7 @@ def per_input(
 def nf4_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> UInt8[Array, "*shape"]:
     """The index of the NF4 level nearest to every weight over its (broadcast) scale: the
     number of midpoints between levels below it (the lower level on a tie)."""
-    levels = jnp.asarray(NF4_LEVELS, jnp.float32)
-    midpoints = ((levels[1:] + levels[:-1]) / 2).reshape((1,) * w.ndim + (15,))
+    midpoints = jnp.asarray(_NF4_MIDPOINTS).reshape((1,) * w.ndim + (15,))
     return jnp.sum((w / _safe(scales))[..., None] > midpoints, axis=-1, dtype=jnp.uint8)
 
 
@@ -122,8 +127,14 @@ def int8_values(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Float
 
 
 def nf4_values(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Float[Array, "*shape"]:
-    """The nearest values NF4 codes can hold at these scales."""
-    return jnp.asarray(NF4_LEVELS, jnp.float32)[nf4_codes(w, scales)] * scales
+    """The nearest values NF4 codes can hold at these scales: the level above the last
+    midpoint below `w / scale`, picked by a chain of selects (on CPU, faster than
+    looking the codes up)."""
+    ratio = w / _safe(scales)
+    value = jnp.full(ratio.shape, NF4_LEVELS[0], jnp.float32)
+    for midpoint, level in zip(_NF4_MIDPOINTS, np.float32(NF4_LEVELS[1:])):
+        value = jnp.where(ratio > midpoint, level, value)
+    return value * scales
 
 
 NF4_SHRINKS = tuple(1.0 - 0.02 * i for i in range(26))
@@ -152,15 +163,18 @@ def fitted_nf4_scales(
 
     One scale per block of every output, float32.
     """
-    n_in = w.shape[-2]
     absmax = nf4_scales(w, group_size)
     shrinks = jnp.asarray(NF4_SHRINKS, jnp.float32)
-    weighting = 1.0 if importance is None else importance[..., None]
+    blocks = _blocks(w, group_size)
+    if importance is None:
+        importance = jnp.ones(w.shape[:-1], jnp.float32)
+    weighting = _blocks(importance[..., None], group_size)[..., 0]
 
     def block_errors(shrink):
-        scales = absmax * shrink
-        error = weighting * (w - nf4_values(w, per_input(scales, group_size, n_in))) ** 2
-        return _blocks(error, group_size).sum(-2)
+        error = (blocks - nf4_values(blocks, (absmax * shrink)[..., None, :])) ** 2
+        # Weighted and summed as one product: on CPU, 4 times faster than
+        # a multiply and a sum.
+        return jnp.einsum("...gio,...gi->...go", error, weighting)
 
     errors = jax.lax.map(block_errors, shrinks)
     return absmax * shrinks[jnp.argmin(errors, axis=0)]
@@ -378,33 +392,89 @@ SCHEMES = {8: ("int8",), 4: ("nf4", "int4")}
 """The schemes of each bit width; the first is the default."""
 
 
-def _quantized(layer: Linear, scheme: str, group_size: int, gram: Array | None):
-    """One layer's quantized stand-in: rounded to nearest, or by GPTQ given the `gram`
-    (`Σ xᵀx`) of its calibration inputs."""
-    w = layer.weight.astype(jnp.float32)
-    dtype, n_in = layer.weight.dtype, w.shape[-2]
+NEAREST = {"int8": int8_values, "nf4": nf4_values, "int4": int4_values}
+"""Each scheme's rounding to nearest, given every weight's scale (and offset)."""
+
+
+@eqx.filter_jit
+def _fixed_scales(
+    weight: Float[Array, "*layers in_features out_features"],
+    scheme: str,
+    group_size: int,
+    gram: Float[Array, "*layers in_features in_features"] | None,
+):
+    """The scales a layer rounds against, in its weight's dtype (a scale and an offset
+    for int4), and the same as float32 for every weight. NF4 fits its block scales
+    weighting each input by its calibration activations' mean square, from `gram`."""
+    w, dtype, n_in = weight.astype(jnp.float32), weight.dtype, weight.shape[-2]
     if scheme == "int8":
         scales = int8_scales(w).astype(dtype)
-        per_weight = jnp.broadcast_to(scales.astype(jnp.float32)[..., None, :], w.shape)
-        nearest, build = int8_values, lambda linear: Int8Linear(linear, scales)
-    elif scheme == "nf4":
+        return scales, jnp.broadcast_to(scales.astype(jnp.float32)[..., None, :], w.shape)
+    if scheme == "nf4":
         importance = None if gram is None else jnp.diagonal(gram, axis1=-2, axis2=-1)
         scales = fitted_nf4_scales(w, group_size, importance).astype(dtype)
-        per_weight = per_input(scales.astype(jnp.float32), group_size, n_in)
-        nearest, build = nf4_values, lambda linear: NF4Linear(linear, group_size, scales)
-    else:
-        ranges = tuple(a.astype(dtype) for a in int4_ranges(w, group_size))
-        per_weight = tuple(per_input(a.astype(jnp.float32), group_size, n_in) for a in ranges)
-        nearest, build = int4_values, lambda linear: Int4Linear(linear, group_size, ranges)
-    if gram is not None:
+        return scales, per_input(scales.astype(jnp.float32), group_size, n_in)
+    ranges = tuple(a.astype(dtype) for a in int4_ranges(w, group_size))
+    return ranges, tuple(per_input(a.astype(jnp.float32), group_size, n_in) for a in ranges)
+
+
+@eqx.filter_jit
+def _built(linear: Linear, scheme: str, group_size: int, scales):
+    """The quantized layer holding `linear`'s weights (already on the grid of `scales`,
+    or rounded to nearest on it)."""
+    if scheme == "int8":
+        return Int8Linear(linear, scales)
+    if scheme == "nf4":
+        return NF4Linear(linear, group_size, scales)
+    return Int4Linear(linear, group_size, scales)
+
+
+def _same_inputs(layers: list[Linear], grams: list[Array]) -> list[list[int]]:
+    """The layers grouped by the inputs they read (equal `Σ xᵀx`), such as an attention
+    block's query, key and value projections."""
+    groups: list[list[int]] = []
+    for i, (layer, gram) in enumerate(zip(layers, grams)):
+        for group in groups:
+            first = group[0]
+            if layers[first].weight.shape[:-1] == layer.weight.shape[:-1] and np.array_equal(
+                grams[first], gram
+            ):
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
+
+
+@eqx.filter_jit
+def _gptq_round_together(weights: list[Array], gram: Array, per_weight: list, nearest):
+    """GPTQ on layers that read the same inputs, side by side as one wider layer: they
+    share one Hessian, so one factorisation and one pass over the inputs serve all."""
+    joined = jnp.concatenate([w.astype(jnp.float32) for w in weights], axis=-1)
+    scales = jax.tree.map(lambda *a: jnp.concatenate(a, -1), *per_weight)
+    splits = np.cumsum([w.shape[-1] for w in weights])[:-1].tolist()
+    return jnp.split(gptq_round(joined, gram, scales, nearest), splits, axis=-1)
+
+
+def _gptq_rounded(
+    layers: list[Linear], grams: list[Array], per_weight: Sequence, nearest, progress: bool
+) -> list[Linear]:
+    """The layers with their weights rounded by GPTQ, those that read the same inputs
+    together."""
+    rounded = list(layers)
+    for group in tqdm(_same_inputs(layers, grams), disable=not progress, unit="layer group"):
+        weights = [layers[i].weight for i in group]
         # Replicated, GPTQ's loop over rows needs no collectives.
-        everywhere = w.sharding
+        everywhere = weights[0].sharding
         if isinstance(everywhere, NamedSharding):
             everywhere = NamedSharding(everywhere.mesh, PartitionSpec())
-        inputs = jax.device_put((w, gram, per_weight), everywhere)
-        rounded = jax.device_put(gptq_round(*inputs, nearest), w.sharding)
-        layer = eqx.tree_at(lambda m: m.weight, layer, rounded)
-    return build(layer)
+        inputs = jax.device_put(
+            (weights, grams[group[0]], [per_weight[i] for i in group]), everywhere
+        )
+        for i, w, part in zip(group, weights, _gptq_round_together(*inputs, nearest)):
+            part = jax.device_put(part, w.sharding)
+            rounded[i] = eqx.tree_at(lambda m: m.weight, layers[i], part)
+    return rounded
 
 
 def _scheme(bits: int, scheme: str | None, group_size: int) -> str:
@@ -429,6 +499,7 @@ def quantize(
     group_size: int = 64,
     targets=None,
     calibration: Int[Array, "batch seq"] | None = None,
+    progress: bool = True,
 ):
     """A new model whose linear layers are quantized:
 
@@ -465,6 +536,7 @@ def quantize(
     - `targets`: field names of the linear layers to quantize; by default every `Linear`
         but the language-model head (`lm_head`).
     - `calibration`: `[batch, seq]` token ids for GPTQ; text like the model's use.
+    - `progress`: show a progress bar over GPTQ's layers.
 
     **Returns:**
 
@@ -498,7 +570,12 @@ def quantize(
                 stacklevel=2,
             )
     grams = [None] * len(paths) if calibration is None else input_grams(model, paths, calibration)
-    replaced = [_quantized(layer, scheme, group_size, g) for layer, g in zip(layers, grams)]
+    scales, per_weight = zip(
+        *(_fixed_scales(layer.weight, scheme, group_size, g) for layer, g in zip(layers, grams))
+    )
+    if calibration is not None:
+        layers = _gptq_rounded(layers, grams, per_weight, NEAREST[scheme], progress)
+    replaced = [_built(layer, scheme, group_size, s) for layer, s in zip(layers, scales)]
     return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, replaced)
 
 

@@ -14,8 +14,10 @@ from tiny import WORD_LLAMA, corpus_file, train_tokenizer
 
 import eqdel
 from eqdel._gptq import GPTQ_DAMPING, gptq_round, input_grams
+from eqdel._paths import get_path
 from eqdel._quant import (
     NF4_LEVELS,
+    _same_inputs,
     fitted_nf4_scales,
     int4_values,
     int8_scales,
@@ -93,6 +95,14 @@ def test_nf4_codes_are_the_nearest_levels():
     want = np.abs(np.asarray(w)[..., None] - levels).argmin(-1)
     np.testing.assert_array_equal(nf4_codes(w, jnp.float32(1.0)), want)
     np.testing.assert_array_equal(nf4_codes(jnp.asarray(levels), jnp.float32(1.0)), np.arange(16))
+
+
+def test_nf4_values_are_the_levels_of_the_codes():
+    w = jax.random.normal(jax.random.key(3), (300, 70)) * 0.6
+    scales = jax.random.uniform(jax.random.key(4), (1, 70), minval=0.2, maxval=1.0)
+    codes = np.asarray(nf4_codes(w, scales))
+    want = np.asarray(NF4_LEVELS, np.float32)[codes] * np.asarray(scales)
+    np.testing.assert_array_equal(nf4_values(w, scales), want)
 
 
 def block_errors(w, scales, importance, group_size):
@@ -203,6 +213,28 @@ def test_gptq_in_blocks_equals_one_row_at_a_time(n_in):
     assert np.mean(ours == reference) > 0.995
     error = lambda w: np.linalg.norm(x @ (w - np.asarray(weight)))  # noqa: E731
     assert error(ours) == pytest.approx(error(reference), rel=0.01)
+
+
+def test_gptq_rounds_layers_that_read_the_same_inputs_together(trained):
+    calibration = jnp.asarray(random_ids(8, 16, vocab=trained.config.vocab_size, seed=13))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    paths = [("model", "layers", "self_attn", n) for n in names[:4]]
+    paths += [("model", "layers", "mlp", n) for n in names[4:]]
+    layers = [get_path(trained, p) for p in paths]
+    grams = input_grams(trained, paths, calibration)
+    assert _same_inputs(layers, grams) == [[0, 1, 2], [3], [4, 5], [6]]
+    # Each output column rounds on its own: together or alone, the same codes.
+    quantized = eqdel.quantize(trained, 8, calibration=calibration, progress=False)
+    for path, layer, gram in zip(paths, layers, grams):
+        scales = int8_scales(layer.weight)
+        alone = gptq_round(
+            layer.weight,
+            gram,
+            jnp.broadcast_to(scales[..., None, :], layer.weight.shape),
+            int8_values,
+        )
+        together = get_path(quantized, path).weight(jnp.float32)
+        assert np.mean(np.asarray(together) == np.asarray(alone)) > 0.999, path
 
 
 def test_calibrated_quantization_agrees_better(trained, sampled_prompts):
