@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from ._field import field
 from ._gptq import gptq_round, input_grams
 from ._paths import get_path, module_paths
-from .nn import Linear
+from .nn import Linear, _few_rows
 from .nn._linear import matmul
 
 NF4_LEVELS = (
@@ -181,10 +181,29 @@ def fitted_nf4_scales(
 
 
 def _through_dequantised(layer, x: Float[Array, "*batch in_features"]) -> Array:
-    """A quantized layer's output: `x` times its dequantised weight, plus its bias. Inside
-    a compiled loop XLA dequantises once, before the loop."""
-    y = matmul(x, layer.weight(x.dtype))
+    """A quantized layer's output: `x` times its dequantised weight, plus its bias.
+
+    A few float32 rows (a decode step) run through a kernel that reads the codes as
+    stored (`layer._kernel_product`); otherwise XLA multiplies by the dequantised weight,
+    which inside a compiled loop it computes once, before the loop.
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    if _few_rows.usable(rows, layer.codes):
+        y = layer._kernel_product(rows).reshape(*x.shape[:-1], -1)
+    else:
+        y = matmul(x, layer.weight(x.dtype))
     return y if layer.bias is None else y + layer.bias.astype(y.dtype)
+
+
+def _reference(layer, names: tuple[str, ...]):
+    """`rows @ layer.weight` as a function of the rows and the layer's arrays `names`:
+    what a kernel's product is differentiated as."""
+
+    def product(rows, *arrays):
+        rebuilt = eqx.tree_at(lambda m: [getattr(m, n) for n in names], layer, list(arrays))
+        return matmul(rows, rebuilt.weight(rows.dtype))
+
+    return product
 
 
 class Int8Linear(eqx.Module):
@@ -216,6 +235,10 @@ class Int8Linear(eqx.Module):
     def weight(self, dtype) -> Float[Array, "*layers in_features out_features"]:
         """The dequantised weight."""
         return self.codes.astype(dtype) * self.scales.astype(dtype)[..., None, :]
+
+    def _kernel_product(self, rows: Float[Array, "rows in_features"]) -> Array:
+        reference = _reference(self, ("codes", "scales"))
+        return _few_rows.int8(rows, self.codes, self.scales, reference)
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
@@ -272,6 +295,11 @@ class NF4Linear(eqx.Module):
         codes = pairs.reshape(*lead, 2 * half, n_out)[..., : self.in_features, :]
         values = jnp.asarray(NF4_LEVELS, dtype)[codes]
         return values * per_input(self.scales.astype(dtype), self.group_size, self.in_features)
+
+    def _kernel_product(self, rows: Float[Array, "rows in_features"]) -> Array:
+        levels = jnp.asarray(NF4_LEVELS, jnp.float32)
+        reference = _reference(self, ("codes", "scales"))
+        return _few_rows.nf4(rows, self.codes, self.scales, levels, self.group_size, reference)
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
@@ -357,6 +385,12 @@ class Int4Linear(eqx.Module):
         scales = self.scales.astype(dtype)[..., None, :]
         values = codes * scales + self.offsets.astype(dtype)[..., None, :]
         return values.reshape(*lead, 2 * packed, n_out)[..., : self.in_features, :]
+
+    def _kernel_product(self, rows: Float[Array, "rows in_features"]) -> Array:
+        reference = _reference(self, ("codes", "scales", "offsets"))
+        return _few_rows.int4(
+            rows, self.codes, self.scales, self.offsets, self.group_size, reference
+        )
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]

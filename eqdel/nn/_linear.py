@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._field import field
+from . import _few_rows
 from ._broadcast import trailing
 
 LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -84,8 +85,11 @@ def matmul(
     a transposed weight is contracted where it lies (XLA converts a transposed 16-bit
     operand to float32). Float32 inputs to a 16-bit weight (see
     [`eqdel.nn.activation_dtype`][]) are rounded to the weight's dtype and the product
-    returned in float32. Other backends keep `x @ weight` as written: on a mesh that
-    shards both `batch` and `seq`, the flattened form partitions with more collectives.
+    returned in float32. Up to `eqdel.nn._few_rows.MAX_ROWS` float32 rows (a decode
+    step) run through a kernel that reads the weight as stored, where XLA would read a
+    16-bit weight as a float32 copy. Other backends keep `x @ weight` as written: on a
+    mesh that shards both `batch` and `seq`, the flattened form partitions with more
+    collectives.
 
     **Arguments:**
 
@@ -100,7 +104,10 @@ def matmul(
     if jax.default_backend() != "cpu":
         return x @ (weight.T if transposed else weight)
     rows = x.reshape(-1, x.shape[-1])
-    if weight.dtype in LOW_PRECISION and x.dtype in (
+    if weight.dtype in (jnp.float32, jnp.bfloat16) and _few_rows.usable(rows, weight):
+        rows = rows if weight.dtype == jnp.float32 else rows.astype(weight.dtype)
+        rows = _few_rows.dense(rows.astype(jnp.float32), weight, transposed)
+    elif weight.dtype in LOW_PRECISION and x.dtype in (
         weight.dtype,
         activation_dtype(weight.dtype),
     ):

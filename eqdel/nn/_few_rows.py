@@ -1,0 +1,214 @@
+"""Products of a few rows with a weight on CPU, through the kernels of `few_rows.cc`.
+
+A decode step multiplies one row per sequence by every weight. XLA's CPU backend reads
+a 16-bit or quantized weight there only as a float32 copy it makes once, before the
+decode loop, so bfloat16, int8 and 4-bit models decode no faster than float32. The
+kernels read each weight as stored and convert in registers. They are compiled on first
+use with the system's C++ compiler into eqdel's cache folder; without one (or with
+`EQDEL_CPU_KERNELS=0`) every product stays with XLA.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int8, UInt8
+
+MAX_ROWS = 16
+"""The most rows a product may have to run through a kernel."""
+
+_SOURCE = Path(__file__).with_name("few_rows.cc")
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_TARGETS = {
+    "eqdel_few_rows_f32": "EqdelFewRowsF32",
+    "eqdel_few_rows_bf16": "EqdelFewRowsBF16",
+    "eqdel_few_rows_int8": "EqdelFewRowsInt8",
+    "eqdel_few_rows_int4": "EqdelFewRowsInt4",
+    "eqdel_few_rows_nf4": "EqdelFewRowsNF4",
+}
+
+
+def _compiled(compiler: str) -> Path:
+    """The kernels' shared library, compiled once per source, compiler flags, jaxlib and
+    host, and written in place atomically."""
+    from .._smollm2 import cache_dir
+
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), include.encode()):
+        key.update(part)
+    key.update(f"{jax.__version__} {platform.uname()}".encode())
+    target = cache_dir() / "kernels" / f"few_rows-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            command = [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", str(built)]
+            subprocess.run(command, check=True, capture_output=True, text=True)
+            os.replace(built, target)
+    return target
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are compiled and registered with XLA's CPU backend (once per
+    process; a failure warns once and leaves every product with XLA)."""
+    if os.environ.get("EQDEL_CPU_KERNELS") == "0" or jax.default_backend() != "cpu":
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    try:
+        if compiler is None:
+            raise OSError("no C++ compiler found (set CXX)")
+        library = ctypes.cdll.LoadLibrary(str(_compiled(compiler)))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        message = f"eqdel's CPU kernels are unavailable, XLA runs every product: {detail}"
+        warnings.warn(message, stacklevel=2)
+        return False
+    for name, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(
+            name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
+        )
+    return True
+
+
+def usable(rows: Array, weight: Array) -> bool:
+    """Whether `rows @ weight` may run through a kernel: a 2-D weight, float32 rows, at
+    most `MAX_ROWS` of them, and compiled kernels."""
+    return (
+        rows.ndim == 2
+        and 1 <= rows.shape[0] <= MAX_ROWS
+        and rows.dtype == jnp.float32
+        and weight.ndim == 2
+        and available()
+    )
+
+
+def _call(target: str, rows: Array, out_features: int, *operands, **attributes) -> Array:
+    if not available():
+        raise RuntimeError("eqdel's CPU kernels are not available here; see `usable`.")
+    result = jax.ShapeDtypeStruct((rows.shape[0], out_features), jnp.float32)
+    attributes = {name: np.int64(value) for name, value in attributes.items()}
+    call = jax.ffi.ffi_call(target, result, vmap_method="sequential")
+    return call(rows, *operands, **attributes)
+
+
+def _with_reference_gradient(kernel, reference):
+    """`kernel`, differentiated as `reference` (the same product written in XLA)."""
+
+    @jax.custom_vjp
+    def product(*operands):
+        return kernel(*operands)
+
+    def forward(*operands):
+        return kernel(*operands), operands
+
+    def backward(operands, grad):
+        return jax.vjp(reference, *operands)[1](grad)
+
+    product.defvjp(forward, backward)
+    return product
+
+
+def _dense_kernel(rows, weight, transposed):
+    target = "eqdel_few_rows_bf16" if weight.dtype == jnp.bfloat16 else "eqdel_few_rows_f32"
+    out_features = weight.shape[0 if transposed else 1]
+    return _call(target, rows, out_features, weight, transposed=transposed)
+
+
+def _dense_reference(rows, weight, transposed):
+    weight = weight.astype(jnp.float32)
+    return rows @ (weight.T if transposed else weight)
+
+
+def dense(
+    rows: Float[Array, "rows in_features"],
+    weight: Float[Array, "in_features out_features"] | Float[Array, "out_features in_features"],
+    transposed: bool,
+) -> Float[Array, "rows out_features"]:
+    """`rows @ weight` (`rows @ weight.T` when `transposed`) for a float32 or bfloat16
+    weight, accumulated and returned in float32 (bfloat16 rows are the caller's to
+    round)."""
+    product = _with_reference_gradient(
+        functools.partial(_dense_kernel, transposed=transposed),
+        functools.partial(_dense_reference, transposed=transposed),
+    )
+    return product(rows, weight)
+
+
+def int8(
+    rows: Float[Array, "rows in_features"],
+    codes: Int8[Array, "in_features out_features"],
+    scales: Float[Array, " out_features"],
+    reference,
+) -> Float[Array, "rows out_features"]:
+    """`rows @ (codes * scales)`, differentiated as `reference(rows, codes, scales)`."""
+
+    def kernel(rows, codes, scales):
+        scales = scales.astype(jnp.float32)
+        return _call("eqdel_few_rows_int8", rows, codes.shape[1], codes, scales)
+
+    return _with_reference_gradient(kernel, reference)(rows, codes, scales)
+
+
+def _padded(rows: Array, columns: int) -> Array:
+    return jnp.pad(rows, [(0, 0), (0, columns - rows.shape[1])])
+
+
+def int4(
+    rows: Float[Array, "rows in_features"],
+    codes: UInt8[Array, "packed out_features"],
+    scales: Float[Array, "groups out_features"],
+    offsets: Float[Array, "groups out_features"],
+    group_size: int,
+    reference,
+) -> Float[Array, "rows out_features"]:
+    """The product with an `Int4Linear`'s weight, differentiated as `reference`."""
+
+    def kernel(rows, codes, scales, offsets):
+        return _call(
+            "eqdel_few_rows_int4",
+            _padded(rows, 2 * codes.shape[0]),
+            codes.shape[1],
+            codes,
+            scales.astype(jnp.float32),
+            offsets.astype(jnp.float32),
+            group=group_size,
+        )
+
+    return _with_reference_gradient(kernel, reference)(rows, codes, scales, offsets)
+
+
+def nf4(
+    rows: Float[Array, "rows in_features"],
+    codes: UInt8[Array, "half_in out_features"],
+    scales: Float[Array, "groups out_features"],
+    levels: Float[Array, "16"],
+    group_size: int,
+    reference,
+) -> Float[Array, "rows out_features"]:
+    """The product with an `NF4Linear`'s weight (`levels` its 16 values),
+    differentiated as `reference(rows, codes, scales)`."""
+
+    def kernel(rows, codes, scales):
+        return _call(
+            "eqdel_few_rows_nf4",
+            _padded(rows, 2 * codes.shape[0]),
+            codes.shape[1],
+            codes,
+            scales.astype(jnp.float32),
+            levels,
+            group=group_size,
+        )
+
+    return _with_reference_gradient(kernel, reference)(rows, codes, scales)

@@ -1,0 +1,456 @@
+// Products of a few rows (a decode step's tokens) with a weight matrix, on CPU.
+//
+// XLA's CPU backend runs a one-row product through a general matrix kernel that reads
+// 16-bit and quantized weights only after converting them to float32, and it converts
+// loop-invariant weights once, before a decode loop, so every step reads float32. These
+// kernels read each weight once, as stored (float32, bfloat16, int8 codes, 4-bit codes),
+// convert in registers and accumulate in float32, with the output columns split over
+// XLA's intra-op threads. Rows are float32, already rounded where the product asks for
+// it; a 4-bit product's rows are zero-padded to whole groups.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int8_t v16s8 __attribute__((vector_size(16)));
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kAccFloats = 8192;  // 32 KiB of partial sums per task
+
+template <class T>
+inline T load(const void* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+inline v16 load_acc(const float* p) { return load<v16>(p); }
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Sixteen bytes widened to int32 lanes (GCC lowers `__builtin_convertvector` from bytes
+// lane by lane), and a lookup of sixteen lanes in a sixteen-entry table.
+inline v16i widen(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return __builtin_convertvector(load<v16s8>(p), v16i);
+#endif
+}
+
+inline v16i widen(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return __builtin_convertvector(load<v16u8>(p), v16i);
+#endif
+}
+
+inline v16 lookup(v16 table, v16i index) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_permutexvar_ps((__m512i)index, (__m512)table);
+#else
+  return __builtin_shuffle(table, index);
+#endif
+}
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t wide = uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, 4);
+  return f;
+}
+
+// Runs body(task) for task in [0, tasks) on the calling thread and the pool's threads;
+// returns when every task is done. Tasks are claimed from a shared counter, so the call
+// finishes even if no pool thread ever picks its work up.
+template <class F>
+void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const F& body) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, tasks, &body]() {
+    int64_t finished = 0;
+    for (int64_t t; (t = state->next.fetch_add(1)) < tasks;) {
+      body(t);
+      ++finished;
+    }
+    if (finished) state->done.fetch_add(finished);
+  };
+  int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t h = 0; h < helpers; ++h) {
+    // A helper that starts after the call returned finds no task left and touches
+    // nothing but `state`, which it shares.
+    pool.Schedule([state, tasks, work]() {
+      if (state->next.load() < tasks) work();
+    });
+  }
+  work();
+  while (state->done.load() < tasks) std::this_thread::yield();
+}
+
+// Runs `tile(k0, k1, c0, c1, acc)` over a grid of weight-row chunks and column tiles,
+// each tile's partial sums `acc[rows][c1 - c0]` small enough for L1, then writes
+// y[r, c] = (sum of the chunks' partial sums) * scale[c] (no scale when null). A one-row
+// product takes whole rows of the weight, read front to back, split into chunks of rows
+// over the threads; more rows take narrower tiles.
+template <class Tile>
+void product(ffi::ThreadPool& pool, int64_t rows, int64_t depth, int64_t out,
+             const float* scale, float* y, const Tile& tile) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t width = std::min(out, std::max(kLanes, kAccFloats / rows / kLanes * kLanes));
+  const int64_t tiles = (out + width - 1) / width;
+  const int64_t wanted = (4 * threads + tiles - 1) / tiles;
+  const int64_t chunks = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(depth / 64, 1));
+  const int64_t per = (depth + chunks - 1) / chunks;
+  std::vector<float> partial(chunks > 1 ? chunks * rows * out : 0);
+  parallel_for(pool, chunks * tiles, [&](int64_t task) {
+    alignas(64) float acc[kAccFloats];
+    const int64_t chunk = task / tiles, c0 = task % tiles * width;
+    const int64_t c1 = std::min(out, c0 + width), k0 = chunk * per;
+    std::fill(acc, acc + rows * (c1 - c0), 0.0f);
+    tile(k0, std::min(depth, k0 + per), c0, c1, acc);
+    float* to = chunks > 1 ? partial.data() + chunk * rows * out : y;
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(to + r * out + c0, acc + r * (c1 - c0), (c1 - c0) * sizeof(float));
+  });
+  if (chunks > 1) {
+    for (int64_t j = 0; j < rows * out; ++j) {
+      float sum = 0.0f;
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) sum += partial[chunk * rows * out + j];
+      y[j] = sum;
+    }
+  }
+  if (scale)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < out; ++c) y[r * out + c] *= scale[c];
+}
+
+// Weights stored [in, out], row-major: sixteen consecutive outputs of input i.
+struct F32Rows {
+  const float* w;
+  int64_t out;
+  v16 vec(int64_t i, int64_t c) const { return load<v16>(w + i * out + c); }
+  float at(int64_t i, int64_t c) const { return w[i * out + c]; }
+};
+
+struct BF16Rows {
+  const uint16_t* w;
+  int64_t out;
+  v16 vec(int64_t i, int64_t c) const {
+    v16u wide = __builtin_convertvector(load<v16u16>(w + i * out + c), v16u) << 16;
+    return (v16)wide;
+  }
+  float at(int64_t i, int64_t c) const { return bf16_to_float(w[i * out + c]); }
+};
+
+struct S8Rows {
+  const int8_t* w;
+  int64_t out;
+  v16 vec(int64_t i, int64_t c) const {
+    return __builtin_convertvector(widen(w + i * out + c), v16);
+  }
+  float at(int64_t i, int64_t c) const { return float(w[i * out + c]); }
+};
+
+// acc[r, c - c0] += sum over i in [i0, i1) of x[r, i] w[i, c], four inputs at a time,
+// each weight row read front to back.
+template <class W>
+void dense_tile(const float* x, int64_t rows, int64_t in, const W& w, int64_t i0, int64_t i1,
+                int64_t c0, int64_t c1, float* acc) {
+  const int64_t width = c1 - c0, vectors = width / kLanes;
+  int64_t i = i0;
+  for (; i + 4 <= i1; i += 4) {
+    for (int64_t v = 0; v < vectors; ++v) {
+      const int64_t c = c0 + v * kLanes;
+      v16 w0 = w.vec(i, c), w1 = w.vec(i + 1, c), w2 = w.vec(i + 2, c), w3 = w.vec(i + 3, c);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * in + i;
+        float* a = acc + r * width + v * kLanes;
+        store(a, load_acc(a) + xr[0] * w0 + xr[1] * w1 + xr[2] * w2 + xr[3] * w3);
+      }
+    }
+    for (int64_t c = c0 + vectors * kLanes; c < c1; ++c)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * in + i;
+        acc[r * width + c - c0] += xr[0] * w.at(i, c) + xr[1] * w.at(i + 1, c) +
+                                   xr[2] * w.at(i + 2, c) + xr[3] * w.at(i + 3, c);
+      }
+  }
+  for (; i < i1; ++i)
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t r = 0; r < rows; ++r) acc[r * width + c - c0] += x[r * in + i] * w.at(i, c);
+}
+
+template <class W>
+void dense(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int64_t out,
+           const W& w, const float* scale, float* y) {
+  product(pool, rows, in, out, scale, y,
+          [&](int64_t i0, int64_t i1, int64_t c0, int64_t c1, float* acc) {
+            dense_tile(x, rows, in, w, i0, i1, c0, c1, acc);
+          });
+}
+
+// Weights stored [out, in] (a tied embedding table): y[r, o] = sum_i x[r, i] w[o, i],
+// for up to four rows at once, one vector of partial sums per row.
+template <int R, class Vec, class At>
+void transposed_rows(const float* x, int64_t in, int64_t o, const Vec& vec, const At& at,
+                     float* y, int64_t out) {
+  v16 acc[R] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= in; i += kLanes) {
+    v16 wv = vec(o, i);
+    for (int r = 0; r < R; ++r) acc[r] += load<v16>(x + r * in + i) * wv;
+  }
+  for (int r = 0; r < R; ++r) {
+    float sum = 0.0f;
+    for (int l = 0; l < kLanes; ++l) sum += acc[r][l];
+    for (int64_t j = i; j < in; ++j) sum += x[r * in + j] * at(o, j);
+    y[r * out + o] = sum;
+  }
+}
+
+template <class Vec, class At>
+void transposed(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int64_t out,
+                const Vec& vec, const At& at, float* y) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per = std::max<int64_t>(64, (out + 4 * threads - 1) / (4 * threads));
+  const int64_t tasks = (out + per - 1) / per;
+  parallel_for(pool, tasks, [&](int64_t t) {
+    for (int64_t o = t * per, end = std::min(out, (t + 1) * per); o < end; ++o)
+      for (int64_t r = 0; r < rows; r += 4) {
+        const float* xr = x + r * in;
+        float* yr = y + r * out;
+        switch (std::min<int64_t>(4, rows - r)) {
+          case 1: transposed_rows<1>(xr, in, o, vec, at, yr, out); break;
+          case 2: transposed_rows<2>(xr, in, o, vec, at, yr, out); break;
+          case 3: transposed_rows<3>(xr, in, o, vec, at, yr, out); break;
+          default: transposed_rows<4>(xr, in, o, vec, at, yr, out); break;
+        }
+      }
+  });
+}
+
+// Four-bit codes, two per byte, stored [packed, out]. Each kernel turns byte row k into
+// the two inputs it holds, `lo(k)` and `hi(k)`, and their values for sixteen outputs.
+template <class Codes>
+void nibble_tile(const float* x, int64_t rows, int64_t in, const Codes& codes, int64_t k0,
+                 int64_t k1, int64_t c0, int64_t c1, float* acc) {
+  const int64_t width = c1 - c0, vectors = width / kLanes;
+  for (int64_t k = k0; k < k1; ++k) {
+    const int64_t lo = codes.lo(k), hi = codes.hi(k);
+    for (int64_t v = 0; v < vectors; ++v) {
+      v16 w_lo, w_hi;
+      codes.vec(k, c0 + v * kLanes, w_lo, w_hi);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* a = acc + r * width + v * kLanes;
+        store(a, load_acc(a) + x[r * in + lo] * w_lo + x[r * in + hi] * w_hi);
+      }
+    }
+    for (int64_t c = c0 + vectors * kLanes; c < c1; ++c) {
+      float w_lo, w_hi;
+      codes.at(k, c, w_lo, w_hi);
+      for (int64_t r = 0; r < rows; ++r)
+        acc[r * width + c - c0] += x[r * in + lo] * w_lo + x[r * in + hi] * w_hi;
+    }
+  }
+}
+
+// Int4Linear: in every block of `group` inputs byte k holds input k (low four bits) and
+// k + group / 2 (high); w = q * scale + offset, per block and output.
+struct Int4Codes {
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;
+  int64_t out, group, packed;
+  int64_t lo(int64_t k) const { return k / (group / 2) * group + k % (group / 2); }
+  int64_t hi(int64_t k) const { return lo(k) + group / 2; }
+  void vec(int64_t k, int64_t c, v16& w_lo, v16& w_hi) const {
+    const int64_t g = k / (group / 2);
+    v16 s = load<v16>(scales + g * out + c), z = load<v16>(offsets + g * out + c);
+    v16i b = widen(codes + k * out + c);
+    w_lo = __builtin_convertvector(b & 15, v16) * s + z;
+    w_hi = __builtin_convertvector(b >> 4, v16) * s + z;
+  }
+  void at(int64_t k, int64_t c, float& w_lo, float& w_hi) const {
+    const int64_t g = k / (group / 2);
+    const float s = scales[g * out + c], z = offsets[g * out + c];
+    const uint8_t b = codes[k * out + c];
+    w_lo = float(b & 15) * s + z;
+    w_hi = float(b >> 4) * s + z;
+  }
+};
+
+// NF4Linear: byte k holds inputs 2k (low four bits) and 2k + 1 (high); w = level * scale,
+// one scale per `group` inputs and output.
+struct NF4Codes {
+  const uint8_t* codes;
+  const float* scales;
+  const float* levels;
+  int64_t out, group, packed;
+  int64_t lo(int64_t k) const { return 2 * k; }
+  int64_t hi(int64_t k) const { return 2 * k + 1; }
+  void vec(int64_t k, int64_t c, v16& w_lo, v16& w_hi) const {
+    v16 s = load<v16>(scales + (2 * k / group) * out + c), table = load<v16>(levels);
+    v16i b = widen(codes + k * out + c);
+    w_lo = lookup(table, b & 15) * s;
+    w_hi = lookup(table, b >> 4) * s;
+  }
+  void at(int64_t k, int64_t c, float& w_lo, float& w_hi) const {
+    const float s = scales[(2 * k / group) * out + c];
+    const uint8_t b = codes[k * out + c];
+    w_lo = levels[b & 15] * s;
+    w_hi = levels[b >> 4] * s;
+  }
+};
+
+template <class Codes>
+void nibbles(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int64_t out,
+             const Codes& codes, float* y) {
+  product(pool, rows, codes.packed, out, nullptr, y,
+          [&](int64_t k0, int64_t k1, int64_t c0, int64_t c1, float* acc) {
+            nibble_tile(x, rows, in, codes, k0, k1, c0, c1, acc);
+          });
+}
+
+ffi::Error check_rows(int64_t rows) {
+  if (rows < 1 || rows > kMaxRows)
+    return ffi::Error::InvalidArgument("few-rows product: 1 to 16 rows");
+  return ffi::Error::Success();
+}
+
+ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                   ffi::ResultBuffer<ffi::F32> y, int64_t transposed_weight) {
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t out = y->dimensions()[1];
+  if (auto e = check_rows(rows); e.failure()) return e;
+  const float* wd = w.typed_data();
+  if (transposed_weight) {
+    transposed(
+        pool, x.typed_data(), rows, in, out,
+        [=](int64_t o, int64_t i) { return load<v16>(wd + o * in + i); },
+        [=](int64_t o, int64_t i) { return wd[o * in + i]; }, y->typed_data());
+  } else {
+    dense(pool, x.typed_data(), rows, in, out, F32Rows{wd, out}, nullptr, y->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                    ffi::ResultBuffer<ffi::F32> y, int64_t transposed_weight) {
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t out = y->dimensions()[1];
+  if (auto e = check_rows(rows); e.failure()) return e;
+  const uint16_t* wd = w.typed_data();
+  if (transposed_weight) {
+    transposed(
+        pool, x.typed_data(), rows, in, out,
+        [=](int64_t o, int64_t i) {
+          v16u wide = __builtin_convertvector(load<v16u16>(wd + o * in + i), v16u) << 16;
+          return (v16)wide;
+        },
+        [=](int64_t o, int64_t i) { return bf16_to_float(wd[o * in + i]); }, y->typed_data());
+  } else {
+    dense(pool, x.typed_data(), rows, in, out, BF16Rows{wd, out}, nullptr, y->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
+                    ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t out = y->dimensions()[1];
+  if (auto e = check_rows(rows); e.failure()) return e;
+  dense(pool, x.typed_data(), rows, in, out, S8Rows{codes.typed_data(), out},
+        scales.typed_data(), y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                    ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
+                    ffi::ResultBuffer<ffi::F32> y, int64_t group) {
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t out = y->dimensions()[1], packed = codes.dimensions()[0];
+  if (auto e = check_rows(rows); e.failure()) return e;
+  Int4Codes c{codes.typed_data(), scales.typed_data(), offsets.typed_data(), out, group, packed};
+  nibbles(pool, x.typed_data(), rows, in, out, c, y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error NF4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+                   ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> levels,
+                   ffi::ResultBuffer<ffi::F32> y, int64_t group) {
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t out = y->dimensions()[1], packed = codes.dimensions()[0];
+  if (auto e = check_rows(rows); e.failure()) return e;
+  NF4Codes c{codes.typed_data(), scales.typed_data(), levels.typed_data(), out, group, packed};
+  nibbles(pool, x.typed_data(), rows, in, out, c, y->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsF32, F32Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsBF16, BF16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsInt8, Int8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsInt4, Int4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsNF4, NF4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group"));
