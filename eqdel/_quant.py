@@ -17,6 +17,7 @@ from ._field import field
 from ._gptq import gptq_round, input_grams
 from ._paths import get_path, module_paths
 from .nn import Linear, _few_rows
+from .nn._broadcast import trailing
 from .nn._linear import matmul
 
 NF4_LEVELS = (
@@ -192,7 +193,7 @@ def _through_dequantised(layer, x: Float[Array, "*batch in_features"]) -> Array:
         y = layer._kernel_product(rows).reshape(*x.shape[:-1], -1)
     else:
         y = matmul(x, layer.weight(x.dtype))
-    return y if layer.bias is None else y + layer.bias.astype(y.dtype)
+    return y if layer.bias is None else y + trailing(layer.bias.astype(y.dtype), y.ndim)
 
 
 def _reference(layer, names: tuple[str, ...]):

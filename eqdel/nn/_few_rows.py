@@ -120,30 +120,24 @@ def _with_reference_gradient(kernel, reference):
     return product
 
 
-def _dense_kernel(rows, weight, transposed):
-    target = "eqdel_few_rows_bf16" if weight.dtype == jnp.bfloat16 else "eqdel_few_rows_f32"
-    out_features = weight.shape[0 if transposed else 1]
-    return _call(target, rows, out_features, weight, transposed=transposed)
-
-
-def _dense_reference(rows, weight, transposed):
-    weight = weight.astype(jnp.float32)
-    return rows @ (weight.T if transposed else weight)
-
-
 def dense(
     rows: Float[Array, "rows in_features"],
     weight: Float[Array, "in_features out_features"] | Float[Array, "out_features in_features"],
     transposed: bool,
+    reference,
 ) -> Float[Array, "rows out_features"]:
     """`rows @ weight` (`rows @ weight.T` when `transposed`) for a float32 or bfloat16
-    weight, accumulated and returned in float32 (bfloat16 rows are the caller's to
-    round)."""
-    product = _with_reference_gradient(
-        functools.partial(_dense_kernel, transposed=transposed),
-        functools.partial(_dense_reference, transposed=transposed),
-    )
-    return product(rows, weight)
+    weight, accumulated and returned in float32 (the rows rounded to bfloat16 first for
+    a bfloat16 weight), differentiated as `reference(rows, weight)`."""
+
+    def kernel(rows, weight):
+        bfloat16 = weight.dtype == jnp.bfloat16
+        target = "eqdel_few_rows_bf16" if bfloat16 else "eqdel_few_rows_f32"
+        rows = rows.astype(jnp.bfloat16).astype(jnp.float32) if bfloat16 else rows
+        out_features = weight.shape[0 if transposed else 1]
+        return _call(target, rows, out_features, weight, transposed=transposed)
+
+    return _with_reference_gradient(kernel, reference)(rows, weight)
 
 
 def int8(

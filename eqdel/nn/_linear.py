@@ -85,11 +85,10 @@ def matmul(
     a transposed weight is contracted where it lies (XLA converts a transposed 16-bit
     operand to float32). Float32 inputs to a 16-bit weight (see
     [`eqdel.nn.activation_dtype`][]) are rounded to the weight's dtype and the product
-    returned in float32. Up to `eqdel.nn._few_rows.MAX_ROWS` float32 rows (a decode
-    step) run through a kernel that reads the weight as stored, where XLA would read a
-    16-bit weight as a float32 copy. Other backends keep `x @ weight` as written: on a
-    mesh that shards both `batch` and `seq`, the flattened form partitions with more
-    collectives.
+    returned in float32. Up to 16 float32 rows (a decode step) run through a kernel that
+    reads the weight as stored, where XLA would read a 16-bit weight as a float32 copy.
+    Other backends keep `x @ weight` as written: on a mesh that shards both `batch` and
+    `seq`, the flattened form partitions with more collectives.
 
     **Arguments:**
 
@@ -104,17 +103,23 @@ def matmul(
     if jax.default_backend() != "cpu":
         return x @ (weight.T if transposed else weight)
     rows = x.reshape(-1, x.shape[-1])
+    product = functools.partial(_xla_product, transposed=transposed)
     if weight.dtype in (jnp.float32, jnp.bfloat16) and _few_rows.usable(rows, weight):
-        rows = rows if weight.dtype == jnp.float32 else rows.astype(weight.dtype)
-        rows = _few_rows.dense(rows.astype(jnp.float32), weight, transposed)
-    elif weight.dtype in LOW_PRECISION and x.dtype in (
+        rows = _few_rows.dense(rows, weight, transposed, product)
+    else:
+        rows = product(rows, weight)
+    return rows.reshape(*x.shape[:-1], rows.shape[-1])
+
+
+def _xla_product(rows: Float[Array, "m k"], weight: Array, transposed: bool) -> Array:
+    """`rows @ weight` (`rows @ weight.T` when `transposed`) as XLA's CPU backend runs
+    it fastest (see `matmul`)."""
+    if weight.dtype in LOW_PRECISION and rows.dtype in (
         weight.dtype,
         activation_dtype(weight.dtype),
     ):
-        rows = _low_precision_matmul(rows.astype(weight.dtype), weight, transposed, x.dtype)
-    else:
-        rows = rows @ (weight.T if transposed else weight)
-    return rows.reshape(*x.shape[:-1], rows.shape[-1])
+        return _low_precision_matmul(rows.astype(weight.dtype), weight, transposed, rows.dtype)
+    return rows @ (weight.T if transposed else weight)
 
 
 class Linear(eqx.Module):
