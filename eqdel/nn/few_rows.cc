@@ -35,6 +35,7 @@ typedef uint16_t v16u16 __attribute__((vector_size(32)));
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxRows = 16;
+constexpr int64_t kAhead = 8;
 constexpr int64_t kAccFloats = 8192;  // 32 KiB of partial sums per task
 
 template <class T>
@@ -70,6 +71,19 @@ inline v16 lookup(v16 table, v16i index) {
   return (v16)_mm512_permutexvar_ps((__m512i)index, (__m512)table);
 #else
   return __builtin_shuffle(table, index);
+#endif
+}
+
+// The sum of sixteen lanes, as a tree of adds.
+inline float lane_sum(v16 v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float t[kLanes];
+  std::memcpy(t, &v, sizeof(t));
+  for (int64_t half = kLanes / 2; half > 0; half /= 2)
+    for (int64_t l = 0; l < half; ++l) t[l] += t[l + half];
+  return t[0];
 #endif
 }
 
@@ -153,6 +167,7 @@ struct F32Rows {
   int64_t out;
   v16 vec(int64_t i, int64_t c) const { return load<v16>(w + i * out + c); }
   float at(int64_t i, int64_t c) const { return w[i * out + c]; }
+  void prefetch(int64_t i, int64_t c) const { __builtin_prefetch(w + i * out + c); }
 };
 
 struct BF16Rows {
@@ -163,6 +178,7 @@ struct BF16Rows {
     return (v16)wide;
   }
   float at(int64_t i, int64_t c) const { return bf16_to_float(w[i * out + c]); }
+  void prefetch(int64_t i, int64_t c) const { __builtin_prefetch(w + i * out + c); }
 };
 
 struct S8Rows {
@@ -172,6 +188,7 @@ struct S8Rows {
     return __builtin_convertvector(widen(w + i * out + c), v16);
   }
   float at(int64_t i, int64_t c) const { return float(w[i * out + c]); }
+  void prefetch(int64_t i, int64_t c) const { __builtin_prefetch(w + i * out + c); }
 };
 
 // acc[r, c - c0] += sum over i in [i0, i1) of x[r, i] w[i, c], four inputs at a time,
@@ -185,6 +202,8 @@ void dense_tile(const float* x, int64_t rows, int64_t in, const W& w, int64_t i0
     for (int64_t v = 0; v < vectors; ++v) {
       const int64_t c = c0 + v * kLanes;
       v16 w0 = w.vec(i, c), w1 = w.vec(i + 1, c), w2 = w.vec(i + 2, c), w3 = w.vec(i + 3, c);
+      if (i + kAhead + 4 <= i1)
+        for (int j = 0; j < 4; ++j) w.prefetch(i + kAhead + j, c);
       for (int64_t r = 0; r < rows; ++r) {
         const float* xr = x + r * in + i;
         float* a = acc + r * width + v * kLanes;
@@ -212,22 +231,41 @@ void dense(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int6
           });
 }
 
-// Weights stored [out, in] (a tied embedding table): y[r, o] = sum_i x[r, i] w[o, i],
-// for up to four rows at once, one vector of partial sums per row.
-template <int R, class Vec, class At>
-void transposed_rows(const float* x, int64_t in, int64_t o, const Vec& vec, const At& at,
-                     float* y, int64_t out) {
-  v16 acc[R] = {};
+// Weights stored [out, in] (a tied embedding table): y[r, o] = sum_i x[r, i] w[o, i] for
+// R rows and O outputs at once, one vector of partial sums for each pair.
+template <int R, int O, class Vec, class At>
+void transposed_block(const float* x, int64_t in, int64_t o, const Vec& vec, const At& at,
+                      float* y, int64_t out) {
+  v16 acc[R][O] = {};
   int64_t i = 0;
   for (; i + kLanes <= in; i += kLanes) {
-    v16 wv = vec(o, i);
-    for (int r = 0; r < R; ++r) acc[r] += load<v16>(x + r * in + i) * wv;
+    v16 wv[O];
+    for (int p = 0; p < O; ++p) wv[p] = vec(o + p, i);
+    for (int r = 0; r < R; ++r) {
+      const v16 xv = load<v16>(x + r * in + i);
+      for (int p = 0; p < O; ++p) acc[r][p] += xv * wv[p];
+    }
   }
-  for (int r = 0; r < R; ++r) {
-    float sum = 0.0f;
-    for (int l = 0; l < kLanes; ++l) sum += acc[r][l];
-    for (int64_t j = i; j < in; ++j) sum += x[r * in + j] * at(o, j);
-    y[r * out + o] = sum;
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < O; ++p) {
+      float sum = lane_sum(acc[r][p]);
+      for (int64_t j = i; j < in; ++j) sum += x[r * in + j] * at(o + p, j);
+      y[r * out + o + p] = sum;
+    }
+}
+
+template <int O, class Vec, class At>
+void transposed_rows(const float* x, int64_t rows, int64_t in, int64_t o, const Vec& vec,
+                     const At& at, float* y, int64_t out) {
+  for (int64_t r = 0; r < rows; r += 4) {
+    const float* xr = x + r * in;
+    float* yr = y + r * out;
+    switch (std::min<int64_t>(4, rows - r)) {
+      case 1: transposed_block<1, O>(xr, in, o, vec, at, yr, out); break;
+      case 2: transposed_block<2, O>(xr, in, o, vec, at, yr, out); break;
+      case 3: transposed_block<3, O>(xr, in, o, vec, at, yr, out); break;
+      default: transposed_block<4, O>(xr, in, o, vec, at, yr, out); break;
+    }
   }
 }
 
@@ -235,20 +273,13 @@ template <class Vec, class At>
 void transposed(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int64_t out,
                 const Vec& vec, const At& at, float* y) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per = std::max<int64_t>(64, (out + 4 * threads - 1) / (4 * threads));
+  const int64_t per = std::max<int64_t>(64, (out + 16 * threads - 1) / (16 * threads)) / 4 * 4;
   const int64_t tasks = (out + per - 1) / per;
   parallel_for(pool, tasks, [&](int64_t t) {
-    for (int64_t o = t * per, end = std::min(out, (t + 1) * per); o < end; ++o)
-      for (int64_t r = 0; r < rows; r += 4) {
-        const float* xr = x + r * in;
-        float* yr = y + r * out;
-        switch (std::min<int64_t>(4, rows - r)) {
-          case 1: transposed_rows<1>(xr, in, o, vec, at, yr, out); break;
-          case 2: transposed_rows<2>(xr, in, o, vec, at, yr, out); break;
-          case 3: transposed_rows<3>(xr, in, o, vec, at, yr, out); break;
-          default: transposed_rows<4>(xr, in, o, vec, at, yr, out); break;
-        }
-      }
+    int64_t o = t * per;
+    const int64_t end = std::min(out, o + per);
+    for (; o + 4 <= end; o += 4) transposed_rows<4>(x, rows, in, o, vec, at, y, out);
+    for (; o < end; ++o) transposed_rows<1>(x, rows, in, o, vec, at, y, out);
   });
 }
 
@@ -258,17 +289,40 @@ template <class Codes>
 void nibble_tile(const float* x, int64_t rows, int64_t in, const Codes& codes, int64_t k0,
                  int64_t k1, int64_t c0, int64_t c1, float* acc) {
   const int64_t width = c1 - c0, vectors = width / kLanes;
-  for (int64_t k = k0; k < k1; ++k) {
-    const int64_t lo = codes.lo(k), hi = codes.hi(k);
+  int64_t k = k0;
+  for (; k + 2 <= k1; k += 2) {  // two byte rows, four inputs, per pass over the sums
+    const int64_t lo0 = codes.lo(k), hi0 = codes.hi(k), lo1 = codes.lo(k + 1),
+                  hi1 = codes.hi(k + 1);
     for (int64_t v = 0; v < vectors; ++v) {
-      v16 w_lo, w_hi;
-      codes.vec(k, c0 + v * kLanes, w_lo, w_hi);
+      const int64_t c = c0 + v * kLanes;
+      v16 a_lo, a_hi, b_lo, b_hi;
+      codes.vec(k, c, a_lo, a_hi);
+      codes.vec(k + 1, c, b_lo, b_hi);
+      if (k + kAhead + 2 <= k1) {
+        codes.prefetch(k + kAhead, c);
+        codes.prefetch(k + kAhead + 1, c);
+      }
       for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * in;
         float* a = acc + r * width + v * kLanes;
-        store(a, load_acc(a) + x[r * in + lo] * w_lo + x[r * in + hi] * w_hi);
+        store(a, load_acc(a) + xr[lo0] * a_lo + xr[hi0] * a_hi + xr[lo1] * b_lo +
+                     xr[hi1] * b_hi);
       }
     }
     for (int64_t c = c0 + vectors * kLanes; c < c1; ++c) {
+      float a_lo, a_hi, b_lo, b_hi;
+      codes.at(k, c, a_lo, a_hi);
+      codes.at(k + 1, c, b_lo, b_hi);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * in;
+        acc[r * width + c - c0] +=
+            xr[lo0] * a_lo + xr[hi0] * a_hi + xr[lo1] * b_lo + xr[hi1] * b_hi;
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    const int64_t lo = codes.lo(k), hi = codes.hi(k);
+    for (int64_t c = c0; c < c1; ++c) {
       float w_lo, w_hi;
       codes.at(k, c, w_lo, w_hi);
       for (int64_t r = 0; r < rows; ++r)
@@ -300,6 +354,7 @@ struct Int4Codes {
     w_lo = float(b & 15) * s + z;
     w_hi = float(b >> 4) * s + z;
   }
+  void prefetch(int64_t k, int64_t c) const { __builtin_prefetch(codes + k * out + c); }
 };
 
 // NF4Linear: byte k holds inputs 2k (low four bits) and 2k + 1 (high); w = level * scale,
@@ -323,6 +378,7 @@ struct NF4Codes {
     w_lo = levels[b & 15] * s;
     w_hi = levels[b >> 4] * s;
   }
+  void prefetch(int64_t k, int64_t c) const { __builtin_prefetch(codes + k * out + c); }
 };
 
 template <class Codes>
