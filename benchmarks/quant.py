@@ -55,12 +55,13 @@ def main():
         quantize_s[name] = time.perf_counter() - start
     forward = jax.jit(lambda m: m(ids).logits)
     reference = forward(model)
+    prepared = {name: variant.for_generation() for name, variant in variants.items()}
     decode_s = interleaved_medians(
         {
-            name: lambda m=variant: eqdel.generate(
+            name: lambda m=prepared[name]: eqdel.generate(
                 m, ids, max_new_tokens=args.new, eos_token_id=[]
             ).block_until_ready()
-            for name, variant in variants.items()
+            for name in variants
         },
         args.repeats,
     )

@@ -124,9 +124,10 @@ def main():
     prompt = jnp.asarray(text[None, :16])
     decoded = ["float32", "int8", "NF4 g64", "int4 g32"]
     decoded += ["GGUF Q4 blocks kept as int4"] if gguf else []
+    prepared = {name: variants[name].for_generation() for name in decoded}  # as commands do
     seconds = interleaved_medians(
         {
-            name: lambda m=variants[name]: eqdel.generate(
+            name: lambda m=prepared[name]: eqdel.generate(
                 m, prompt, max_new_tokens=args.new, eos_token_id=[]
             ).block_until_ready()
             for name in decoded
