@@ -16,7 +16,8 @@ from eqdel.nn import Linear, _few_rows
 from eqdel.nn._linear import matmul
 
 pytestmark = pytest.mark.skipif(
-    not _few_rows.available(), reason="no C++ compiler for eqdel's CPU kernels"
+    not _few_rows.available(),
+    reason="eqdel's CPU kernels are opt-in (EQDEL_CPU_KERNELS=1) and need a C++ compiler",
 )
 
 # (rows, inputs, outputs, group size): one row (decode), the most rows, outputs that are
@@ -118,6 +119,7 @@ def test_quantized_decode_reads_the_codes_and_generates_as_dequantised(monkeypat
 def test_a_compiler_that_fails_leaves_products_with_xla(monkeypatch, tmp_path):
     monkeypatch.setenv("EQDEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("EQDEL_CPU_KERNELS", "1")
     with pytest.warns(UserWarning, match="CPU kernels are unavailable"):
         assert not _few_rows.available.__wrapped__()
     monkeypatch.setenv("EQDEL_CPU_KERNELS", "0")

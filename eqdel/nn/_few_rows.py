@@ -3,9 +3,10 @@
 A decode step multiplies one row per sequence by every weight. XLA's CPU backend reads
 a 16-bit or quantized weight there only as a float32 copy it makes once, before the
 decode loop, so bfloat16, int8 and 4-bit models decode no faster than float32. The
-kernels read each weight as stored and convert in registers. They are compiled on first
-use with the system's C++ compiler into eqdel's cache folder; without one (or with
-`EQDEL_CPU_KERNELS=0`) every product stays with XLA.
+kernels read each weight as stored and convert in registers. They are opt-in
+(`EQDEL_CPU_KERNELS=1`): compiled on first use with the system's C++ compiler into
+eqdel's cache folder; without the variable, or without a compiler, every product stays
+with XLA.
 """
 
 import ctypes
@@ -61,9 +62,10 @@ def _compiled(compiler: str) -> Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernels are compiled and registered with XLA's CPU backend (once per
-    process; a failure warns once and leaves every product with XLA)."""
-    if os.environ.get("EQDEL_CPU_KERNELS") == "0" or jax.default_backend() != "cpu":
+    """Whether the kernels are asked for (`EQDEL_CPU_KERNELS=1`), compiled and registered
+    with XLA's CPU backend (once per process; a failure warns once and leaves every
+    product with XLA)."""
+    if os.environ.get("EQDEL_CPU_KERNELS") != "1" or jax.default_backend() != "cpu":
         return False
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     try:
