@@ -184,9 +184,9 @@ def fitted_nf4_scales(
 def _through_dequantised(layer, x: Float[Array, "*batch in_features"]) -> Array:
     """A quantized layer's output: `x` times its dequantised weight, plus its bias.
 
-    A few float32 rows (a decode step) run through a kernel that reads the codes as
-    stored (`layer._kernel_product`); otherwise XLA multiplies by the dequantised weight,
-    which inside a compiled loop it computes once, before the loop.
+    With `EQDEL_CPU_KERNELS=1`, a few float32 rows (a decode step) run through a kernel
+    that reads the codes as stored (`layer._kernel_product`); otherwise XLA multiplies by
+    the dequantised weight, which inside a compiled loop it computes once, before the loop.
     """
     rows = x.reshape(-1, x.shape[-1])
     if _few_rows.usable(rows, layer.codes):

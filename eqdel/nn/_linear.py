@@ -85,8 +85,9 @@ def matmul(
     a transposed weight is contracted where it lies (XLA converts a transposed 16-bit
     operand to float32). Float32 inputs to a 16-bit weight (see
     [`eqdel.nn.activation_dtype`][]) are rounded to the weight's dtype and the product
-    returned in float32. Up to 16 float32 rows (a decode step) run through a kernel that
-    reads the weight as stored, where XLA would read a 16-bit weight as a float32 copy.
+    returned in float32. With `EQDEL_CPU_KERNELS=1`, up to 16 float32 rows (a decode
+    step) run through a kernel that reads the weight as stored, where XLA would read a
+    16-bit weight as a float32 copy.
     Other backends keep `x @ weight` as written: on a mesh that shards both `batch` and
     `seq`, the flattened form partitions with more collectives.
 
