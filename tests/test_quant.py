@@ -300,6 +300,18 @@ def test_quantized_models_shard_generate_and_dequantize(trained, bits, scheme):
     np.testing.assert_array_equal(tokens, eqdel.generate(quantized, ids[:, :5], max_new_tokens=6))
 
 
+def test_dequantize_reaches_the_layers_of_the_generation_form(trained):
+    quantized = eqdel.quantize(trained, 8)
+    ids = jnp.asarray(random_ids(2, 6, vocab=trained.config.vocab_size))
+    plain = eqdel.dequantize(quantized.for_generation())
+    assert not any(
+        isinstance(leaf, jax.Array) and leaf.dtype == jnp.int8 for leaf in jax.tree.leaves(plain)
+    )
+    np.testing.assert_array_equal(
+        plain(ids).logits, eqdel.dequantize(quantized).for_generation()(ids).logits
+    )
+
+
 @pytest.mark.parametrize("scheme", ["nf4", "int4"])
 def test_qlora_trains_adapters_on_a_frozen_quantized_base(trained, scheme):
     quantized = eqdel.quantize(trained, 4, scheme=scheme, group_size=32)
