@@ -71,6 +71,17 @@ def test_quantized_layers_give_the_product_of_their_dequantised_weight(
         np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows, n_in, group", [(2, 61, 7), (1, 64, 61), (3, 45, 1)])
+def test_nf4_groups_of_odd_size_split_a_byte_between_two_scales(getkey, rows, n_in, group):
+    x = jax.random.normal(getkey(), (rows, n_in), jnp.float32)
+    layer = NF4Linear(Linear(n_in, 40, axes=(None, None), key=getkey()), group)
+    assert _runs_a_kernel(layer, x)
+    out = eqx.filter_jit(lambda layer, x: layer(x))(layer, x)
+    np.testing.assert_allclose(
+        np.asarray(out), _float64_product(x, layer.weight(jnp.float32)), atol=1e-5
+    )
+
+
 def test_gradients_equal_those_through_xla(getkey, monkeypatch):
     """Through a kernel, gradients reach the inputs, a float weight and a quantized
     layer's scales and offsets as they do through XLA's product."""

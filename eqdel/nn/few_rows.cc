@@ -363,20 +363,24 @@ struct NF4Codes {
   const uint8_t* codes;
   const float* scales;
   const float* levels;
-  int64_t out, group, packed;
+  int64_t out, group, packed, groups;
   int64_t lo(int64_t k) const { return 2 * k; }
   int64_t hi(int64_t k) const { return 2 * k + 1; }
+  // An odd group size puts a byte's two inputs in two groups, each with its scale; the
+  // padding input of an odd count (code 0, row 0) takes the last group's.
+  const float* scale(int64_t input, int64_t c) const {
+    return scales + std::min(input / group, groups - 1) * out + c;
+  }
   void vec(int64_t k, int64_t c, v16& w_lo, v16& w_hi) const {
-    v16 s = load<v16>(scales + (2 * k / group) * out + c), table = load<v16>(levels);
+    const v16 table = load<v16>(levels);
     v16i b = widen(codes + k * out + c);
-    w_lo = lookup(table, b & 15) * s;
-    w_hi = lookup(table, b >> 4) * s;
+    w_lo = lookup(table, b & 15) * load<v16>(scale(2 * k, c));
+    w_hi = lookup(table, b >> 4) * load<v16>(scale(2 * k + 1, c));
   }
   void at(int64_t k, int64_t c, float& w_lo, float& w_hi) const {
-    const float s = scales[(2 * k / group) * out + c];
     const uint8_t b = codes[k * out + c];
-    w_lo = levels[b & 15] * s;
-    w_hi = levels[b >> 4] * s;
+    w_lo = levels[b & 15] * *scale(2 * k, c);
+    w_hi = levels[b >> 4] * *scale(2 * k + 1, c);
   }
   void prefetch(int64_t k, int64_t c) const { __builtin_prefetch(codes + k * out + c); }
 };
@@ -460,7 +464,8 @@ ffi::Error NF4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t out = y->dimensions()[1], packed = codes.dimensions()[0];
   if (auto e = check_rows(rows); e.failure()) return e;
-  NF4Codes c{codes.typed_data(), scales.typed_data(), levels.typed_data(), out, group, packed};
+  NF4Codes c{codes.typed_data(), scales.typed_data(), levels.typed_data(), out, group, packed,
+             scales.dimensions()[0]};
   nibbles(pool, x.typed_data(), rows, in, out, c, y->typed_data());
   return ffi::Error::Success();
 }
