@@ -125,10 +125,12 @@ void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const F& body) {
 }
 
 // Runs `tile(k0, k1, c0, c1, acc)` over a grid of weight-row chunks and column tiles,
-// each tile's partial sums `acc[rows][c1 - c0]` small enough for L1, then writes
+// each tile's partial sums `acc[rows][c1 - c0]` small enough for L1, and writes
 // y[r, c] = (sum of the chunks' partial sums) * scale[c] (no scale when null). A one-row
 // product takes whole rows of the weight, read front to back, split into chunks of rows
-// over the threads; more rows take narrower tiles.
+// over the threads; more rows take narrower tiles. Split into chunks, each task leaves
+// its sums in the calling thread's scratch, and the last chunk of a tile to finish adds
+// that tile's up.
 template <class Tile>
 void product(ffi::ThreadPool& pool, int64_t rows, int64_t depth, int64_t out,
              const float* scale, float* y, const Tile& tile) {
@@ -137,28 +139,35 @@ void product(ffi::ThreadPool& pool, int64_t rows, int64_t depth, int64_t out,
   const int64_t tiles = (out + width - 1) / width;
   const int64_t wanted = (4 * threads + tiles - 1) / tiles;
   const int64_t chunks = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(depth / 64, 1));
-  const int64_t per = (depth + chunks - 1) / chunks;
-  std::vector<float> partial(chunks > 1 ? chunks * rows * out : 0);
+  const int64_t per = (depth + chunks - 1) / chunks, size = rows * out;
+  thread_local std::vector<float> scratch;
+  if (chunks > 1 && scratch.size() < size_t(chunks * size)) scratch.resize(chunks * size);
+  float* partial = scratch.data();
+  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[tiles]);
+  for (int64_t t = 0; t < tiles; ++t) pending[t].store(chunks, std::memory_order_relaxed);
   parallel_for(pool, chunks * tiles, [&](int64_t task) {
     alignas(64) float acc[kAccFloats];
     const int64_t chunk = task / tiles, c0 = task % tiles * width;
-    const int64_t c1 = std::min(out, c0 + width), k0 = chunk * per;
-    std::fill(acc, acc + rows * (c1 - c0), 0.0f);
+    const int64_t c1 = std::min(out, c0 + width), n = c1 - c0, k0 = chunk * per;
+    std::fill(acc, acc + rows * n, 0.0f);
     tile(k0, std::min(depth, k0 + per), c0, c1, acc);
-    float* to = chunks > 1 ? partial.data() + chunk * rows * out : y;
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(to + r * out + c0, acc + r * (c1 - c0), (c1 - c0) * sizeof(float));
-  });
-  if (chunks > 1) {
-    for (int64_t j = 0; j < rows * out; ++j) {
-      float sum = 0.0f;
-      for (int64_t chunk = 0; chunk < chunks; ++chunk) sum += partial[chunk * rows * out + j];
-      y[j] = sum;
+    if (chunks > 1) {
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(partial + chunk * size + r * out + c0, acc + r * n, n * sizeof(float));
+      if (pending[task % tiles].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sums = acc + r * n;
+        std::fill(sums, sums + n, 0.0f);
+        for (int64_t other = 0; other < chunks; ++other) {
+          const float* part = partial + other * size + r * out + c0;
+          for (int64_t c = 0; c < n; ++c) sums[c] += part[c];
+        }
+      }
     }
-  }
-  if (scale)
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < out; ++c) y[r * out + c] *= scale[c];
+      for (int64_t c = 0; c < n; ++c)
+        y[r * out + c0 + c] = scale ? acc[r * n + c] * scale[c0 + c] : acc[r * n + c];
+  });
 }
 
 // Weights stored [in, out], row-major: sixteen consecutive outputs of input i.
