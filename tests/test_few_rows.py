@@ -2,6 +2,8 @@
 for every weight kind and shape, used in a compiled decode loop on the stored codes, and
 a warning, not a failure, when they cannot be built."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -80,6 +82,37 @@ def test_nf4_groups_of_odd_size_split_a_byte_between_two_scales(getkey, rows, n_
     np.testing.assert_allclose(
         np.asarray(out), _float64_product(x, layer.weight(jnp.float32)), atol=1e-5
     )
+
+
+def _random_case(rng):
+    """A product of a random size, weight kind and layout."""
+    rows = int(rng.integers(1, _few_rows.MAX_ROWS + 1))
+    n_in = int(rng.choice([1, 2, 3, 5, 16, 17, 63, 64, 65, 130, 257, 700, 1536]))
+    n_out = int(rng.choice([1, 2, 3, 15, 16, 17, 40, 100, 513, 1030, 3000]))
+    kind = str(rng.choice(["float32", "bfloat16", "int8", "nf4", "int4"]))
+    group = int(rng.choice([2, 4, 8, 32, 64] if kind == "int4" else [3, 7, 32, 61, 64]))
+    return rows, n_in, n_out, kind, group, bool(rng.integers(2))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes_and_kinds_give_the_product(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(12):
+        rows, n_in, n_out, kind, group, transposed = _random_case(rng)
+        x = jnp.asarray(rng.normal(size=(rows, n_in)), jnp.float32)
+        linear = Linear(n_in, n_out, axes=(None, None), key=jax.random.key(int(rng.integers(99))))
+        if kind in ("float32", "bfloat16"):
+            weight = linear.weight.astype(kind)
+            stored = weight.T if transposed else weight
+            out = jax.jit(functools.partial(matmul, transposed=transposed))(x, stored)
+            want = _float64_product(x.astype(kind).astype(jnp.float32), weight.astype(jnp.float32))
+        else:
+            layer = {"int8": Int8Linear, "nf4": NF4Linear, "int4": Int4Linear}[kind]
+            layer = layer(linear) if kind == "int8" else layer(linear, group)
+            out = eqx.filter_jit(lambda layer, x: layer(x))(layer, x)
+            want = _float64_product(x, layer.weight(jnp.float32))
+        case = f"{rows} x {n_in} x {n_out}, {kind}, group {group}, transposed {transposed}"
+        np.testing.assert_allclose(np.asarray(out), want, atol=1e-5, err_msg=case)
 
 
 def test_gradients_equal_those_through_xla(getkey, monkeypatch):
