@@ -141,10 +141,13 @@ void product(ffi::ThreadPool& pool, int64_t rows, int64_t depth, int64_t out,
   const int64_t chunks = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(depth / 64, 1));
   const int64_t per = (depth + chunks - 1) / chunks, size = rows * out;
   thread_local std::vector<float> scratch;
-  if (chunks > 1 && scratch.size() < size_t(chunks * size)) scratch.resize(chunks * size);
+  std::unique_ptr<std::atomic<int64_t>[]> pending;  // chunks of each tile still running
+  if (chunks > 1) {
+    if (scratch.size() < size_t(chunks * size)) scratch.resize(chunks * size);
+    pending.reset(new std::atomic<int64_t>[tiles]);
+    for (int64_t t = 0; t < tiles; ++t) pending[t].store(chunks, std::memory_order_relaxed);
+  }
   float* partial = scratch.data();
-  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[tiles]);
-  for (int64_t t = 0; t < tiles; ++t) pending[t].store(chunks, std::memory_order_relaxed);
   parallel_for(pool, chunks * tiles, [&](int64_t task) {
     alignas(64) float acc[kAccFloats];
     const int64_t chunk = task / tiles, c0 = task % tiles * width;
