@@ -25,6 +25,7 @@ from ._partition_rules import match_partition_rules as match_partition_rules
 from ._placement import constrain as constrain, partition_specs as partition_specs, shard as shard
 from ._quant import (
     Int4Linear as Int4Linear,
+    Int8Embedding as Int8Embedding,
     Int8Linear as Int8Linear,
     NF4Linear as NF4Linear,
     dequantize as dequantize,

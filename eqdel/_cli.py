@@ -184,7 +184,7 @@ def _perplexity(args) -> int:
         args.model, dtype=args.dtype, progress=False, keep_quantized=args.keep_quantized
     )
     ids = tokenizer.encode(text_file.read_text()).ids
-    described = "GGUF Q4 blocks kept as int4: " if args.keep_quantized else ""
+    described = "GGUF blocks kept quantized: " if args.keep_quantized else ""
     if args.quantize:
         from ._quant import quantize
 
@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument(
         "--keep-quantized",
         action="store_true",
-        help="a GGUF file's Q4_0 / Q4_1 layers as int4 codes, not dequantised to float",
+        help="a GGUF file's Q4_0 / Q4_1 layers as int4 codes and Q8_0 token embeddings as "
+        "int8 codes, not dequantised to float",
     )
     perplexity.set_defaults(run=_perplexity)
 

@@ -1,6 +1,7 @@
 """Weight quantization as a pure model transformation: int8 per output channel; NF4
-(4-bit normal-float codes, two per byte, one scale per block of inputs); and int4 (4-bit
-integers, two per byte, a scale and an offset per block of inputs)."""
+(4-bit normal-float codes, two per byte, one scale per block of inputs); int4 (4-bit
+integers, two per byte, a scale and an offset per block of inputs); and int8 token
+embeddings with a scale per block of each row (which a tied head reads too)."""
 
 import warnings
 from collections.abc import Sequence
@@ -13,10 +14,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, Int8, Shaped, UInt8
 from tqdm.auto import tqdm
 
+from . import axes as ax
 from ._field import field
 from ._gptq import gptq_round, input_grams
 from ._paths import get_path, module_paths
-from .nn import Linear, _few_rows
+from .nn import Embedding, Linear, _few_rows
 from .nn._broadcast import trailing
 from .nn._linear import matmul
 
@@ -399,6 +401,100 @@ class Int4Linear(eqx.Module):
         return _through_dequantised(self, x)
 
 
+EMBEDDING_GROUP = 32
+"""Entries of an embedding row per int8 scale (as in llama.cpp's Q8_0 blocks)."""
+
+
+def _per_entry(
+    scales: Float[Array, "*rows groups"], group_size: int, n: int
+) -> Float[Array, "*rows n"]:
+    """Each entry's scale, from one scale per `group_size` consecutive entries of a row."""
+    return jnp.repeat(scales, group_size, axis=-1)[..., :n]
+
+
+class Int8Embedding(eqx.Module):
+    """An `Embedding` whose `[vocab, embed]` table is int8 codes times one float scale
+    per `group_size` consecutive entries of a row (the last group of a row takes what is
+    left), as llama.cpp's Q8_0 blocks store it. It serves as a tied language-model head
+    too (`unembed`)."""
+
+    codes: Int8[Array, "vocab embed"] = field(axes=(ax.VOCAB, ax.EMBED))
+    scales: Float[Array, "vocab groups"] = field(axes=(ax.VOCAB, None))
+    group_size: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        embedding: Embedding,
+        group_size: int = EMBEDDING_GROUP,
+        scales: Float[Array, "vocab groups"] | None = None,
+    ):
+        """**Arguments:**
+
+        - `embedding`: the table to quantize.
+        - `group_size`: entries of a row per scale.
+        - `scales`: the scales to round against, kept as given; by default each group's
+            absolute maximum over 127, in the table's dtype.
+        """
+        w = embedding.weight.astype(jnp.float32)
+        n = w.shape[-1]
+        if scales is None:
+            padded = jnp.pad(jnp.abs(w), [(0, 0), (0, -n % group_size)])
+            absmax = jnp.max(padded.reshape(w.shape[0], -1, group_size), axis=-1)
+            scales = (absmax / 127.0).astype(embedding.weight.dtype)
+        self.codes = int8_codes(w, _per_entry(scales.astype(jnp.float32), group_size, n))
+        self.scales = scales
+        self.group_size = group_size
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the embeddings it gives: its scales'."""
+        return self.scales.dtype
+
+    def weight(self, dtype) -> Float[Array, "vocab embed"]:
+        """The dequantised table."""
+        scales = _per_entry(self.scales.astype(dtype), self.group_size, self.codes.shape[-1])
+        return self.codes.astype(dtype) * scales
+
+    def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch embed"]:
+        """**Arguments:**
+
+        - `ids`: token ids.
+
+        **Returns:**
+
+        Their dequantised embeddings, in the scales' dtype.
+        """
+        dtype, n = self.dtype, self.codes.shape[-1]
+        codes = jnp.take(self.codes, ids, axis=0).astype(dtype)
+        scales = jnp.take(self.scales, ids, axis=0).astype(dtype)
+        return codes * _per_entry(scales, self.group_size, n)
+
+    def unembed(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:
+        """Logits against the dequantised table, for tied language-model heads.
+
+        With `EQDEL_CPU_KERNELS=1`, a few float32 rows (a decode step) run through a
+        kernel that reads the codes as stored.
+
+        **Arguments:**
+
+        - `x`: hidden states.
+
+        **Returns:**
+
+        `x @ weight.T`.
+        """
+        rows = x.reshape(-1, x.shape[-1])
+        if not _few_rows.usable(rows, self.codes):
+            return matmul(x, self.weight(self.dtype), transposed=True)
+
+        def reference(rows, codes, scales):
+            rebuilt = eqx.tree_at(lambda m: (m.codes, m.scales), self, (codes, scales))
+            return matmul(rows, rebuilt.weight(rows.dtype), transposed=True)
+
+        y = _few_rows.int8_transposed(rows, self.codes, self.scales, self.group_size, reference)
+        return y.reshape(*x.shape[:-1], -1)
+
+
 QUANTIZED = (Int8Linear, NF4Linear, Int4Linear)
 
 
@@ -535,6 +631,7 @@ def quantize(
     targets=None,
     calibration: Int[Array, "batch seq"] | None = None,
     progress: bool = True,
+    embeddings: bool = False,
 ):
     """A new model whose linear layers are quantized:
 
@@ -545,7 +642,7 @@ def quantize(
         `group_size` inputs ([`eqdel.Int4Linear`][]), as asymmetric GPTQ checkpoints and
         llama.cpp's Q4_1 blocks hold them.
 
-    Embeddings, norms and biases stay as they are.
+    Norms and biases stay as they are, and so do the embeddings unless `embeddings`.
 
     Weights round to the nearest code unless `calibration` tokens are given: then every
     layer's codes are chosen by GPTQ (Frantar et al., 2022), which rounds one input at a
@@ -572,6 +669,10 @@ def quantize(
         but the language-model head (`lm_head`).
     - `calibration`: `[batch, seq]` token ids for GPTQ; text like the model's use.
     - `progress`: show a progress bar over GPTQ's layers.
+    - `embeddings`: also quantize the token embeddings, rounded to nearest, as an
+        [`eqdel.Int8Embedding`][] with a scale per 32 entries of each row (llama.cpp's
+        Q8_0); a language-model head tied to them reads the codes too. With
+        `targets=[]`, only the embeddings.
 
     **Returns:**
 
@@ -583,7 +684,7 @@ def quantize(
     no matching layer, or a model already quantized.
     """
     scheme = _scheme(bits, scheme, group_size)
-    if module_paths(model, lambda _, m: isinstance(m, QUANTIZED)):
+    if module_paths(model, lambda _, m: isinstance(m, (*QUANTIZED, Int8Embedding))):
         raise ValueError("The model is already quantized; dequantize it first.")
 
     def wanted(name, module):
@@ -592,17 +693,30 @@ def quantize(
         return name != "lm_head" if targets is None else name in set(targets)
 
     paths = module_paths(model, wanted)
-    if not paths:
+    if paths:
+        model = _quantized_linears(model, paths, scheme, group_size, calibration, progress)
+    elif not (embeddings and targets is not None):
         raise ValueError(f"No linear layer to quantize (targets={targets}).")
+    return with_int8_embeddings(model) if embeddings else model
+
+
+def with_int8_embeddings(model, group_size: int = EMBEDDING_GROUP):
+    """`model` with its token embeddings rounded to an `Int8Embedding`."""
+    table = Int8Embedding(model.get_input_embeddings(), group_size)
+    return eqx.tree_at(lambda m: m.get_input_embeddings(), model, table)
+
+
+def _quantized_linears(model, paths, scheme: str, group_size: int, calibration, progress: bool):
+    """`model` with the linear layers at `paths` quantized (see `quantize`)."""
     layers = [get_path(model, p) for p in paths]
-    if bits == 4:
+    if scheme != "int8":
         for n_in in sorted({layer.weight.shape[-2] for layer in layers}):
             if n_in % group_size == 0:
                 continue
             warnings.warn(
                 f"layers with {n_in} inputs: groups of {group_size} leave a last group of "
                 f"{n_in % group_size} inputs, with its own scale.",
-                stacklevel=2,
+                stacklevel=3,
             )
     grams = [None] * len(paths) if calibration is None else input_grams(model, paths, calibration)
     scales, per_weight = zip(
@@ -614,19 +728,32 @@ def quantize(
     return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, replaced)
 
 
+def _dequantized_embedding(table: Int8Embedding) -> Embedding:
+    """The float `Embedding` an `Int8Embedding` stands for."""
+    vocab, embed = table.codes.shape
+    plain = eqx.filter_eval_shape(lambda: Embedding(vocab, embed, key=jax.random.key(0)))
+    return eqx.tree_at(lambda m: m.weight, plain, table.weight(table.dtype))
+
+
 def dequantize(model):
     """A new model with every quantized linear layer back as a float `Linear` (holding
-    the dequantised weights).
+    the dequantised weights), and quantized embeddings back as an `Embedding`.
 
     **Raises:**
 
     `ValueError` when nothing is quantized.
     """
-    paths = module_paths(model, lambda _, m: isinstance(m, QUANTIZED))
+    paths = module_paths(model, lambda _, m: isinstance(m, (*QUANTIZED, Int8Embedding)))
     if not paths:
         raise ValueError("The model has no quantized layers.")
-    plain = [dequantized_linear(get_path(model, p)) for p in paths]
-    return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, plain)
+
+    def plain(module):
+        if isinstance(module, Int8Embedding):
+            return _dequantized_embedding(module)
+        return dequantized_linear(module)
+
+    replaced = [plain(get_path(model, p)) for p in paths]
+    return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, replaced)
 
 
 QUANT_METHOD = "eqdel"
@@ -646,17 +773,21 @@ def quantization_config(model) -> dict | None:
     `ValueError` for a model mixing schemes or group sizes.
     """
     paths = module_paths(model, lambda _, m: isinstance(m, QUANTIZED))
-    if not paths:
+    tables = module_paths(model, lambda _, m: isinstance(m, Int8Embedding))
+    if not paths and not tables:
         return None
     layers = [get_path(model, p) for p in paths]
     kinds = {(_SCHEME_OF[type(q)], getattr(q, "group_size", None)) for q in layers}
     if len(kinds) > 1:
         raise ValueError(f"The model mixes quantizations {sorted(kinds, key=str)}; save one kind.")
-    ((scheme, group_size),) = kinds
-    return dict(
+    ((scheme, group_size),) = kinds or {("int8", None)}
+    config = dict(
         quant_method=QUANT_METHOD,
         bits=8 if scheme == "int8" else 4,
         scheme=scheme,
         group_size=group_size,
         modules=sorted({p[-1] for p in paths}),
     )
+    if tables:
+        config["embedding_group_size"] = get_path(model, tables[0]).group_size
+    return config

@@ -12,9 +12,9 @@ import pytest
 from tiny import TINY_LLAMA
 
 import eqdel
-from eqdel._quant import Int4Linear, Int8Linear, NF4Linear
+from eqdel._quant import Int4Linear, Int8Embedding, Int8Linear, NF4Linear
 from eqdel.models import LlamaForCausalLM
-from eqdel.nn import Linear, _few_rows
+from eqdel.nn import Embedding, Linear, _few_rows
 from eqdel.nn._linear import matmul
 
 pytestmark = pytest.mark.skipif(
@@ -81,6 +81,29 @@ def test_nf4_groups_of_odd_size_split_a_byte_between_two_scales(getkey, rows, n_
     out = eqx.filter_jit(lambda layer, x: layer(x))(layer, x)
     np.testing.assert_allclose(
         np.asarray(out), _float64_product(x, layer.weight(jnp.float32)), atol=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "rows, vocab, embed, group", [(1, 1000, 576, 32), (16, 37, 40, 7), (5, 300, 64, 24)]
+)
+def test_int8_embeddings_as_a_head_give_the_product(getkey, rows, vocab, embed, group):
+    """A tied head on int8 embeddings: groups of whole vectors of 16 inputs, and groups
+    that split a vector (or leave a last, smaller group)."""
+    x = jax.random.normal(getkey(), (rows, embed), jnp.float32)
+    table = Int8Embedding(Embedding(vocab, embed, key=getkey()), group)
+    assert _runs_a_kernel(table.unembed, x)
+    out = eqx.filter_jit(lambda table, x: table.unembed(x))(table, x)
+    want = _float64_product(x, table.weight(jnp.float32).T)
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+    cotangent = jax.random.normal(getkey(), out.shape, jnp.float32)
+
+    def loss(x):
+        return jnp.sum(table.unembed(x) * cotangent)
+
+    grad = jax.grad(loss)(x)
+    np.testing.assert_allclose(
+        np.asarray(grad), _float64_product(cotangent, table.weight(jnp.float32)), atol=1e-5
     )
 
 

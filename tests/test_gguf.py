@@ -3,6 +3,8 @@ converter writes them (its names, its query/key row permutation for Llama, Gemma
 `1 + weight` norms): eqdel loads them to the transformers logits, and refuses bad files by
 name."""
 
+import warnings
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -165,12 +167,39 @@ def test_q4_blocks_kept_quantized_compute_the_dequantised_model(tensor_type, tmp
             np.testing.assert_array_equal(a, b)
 
 
-def test_keep_quantized_without_q4_blocks_warns_or_is_refused(tmp_path):
-    hf_model = make_hf_model("llama")
+def test_q8_0_embeddings_kept_quantized_compute_the_dequantised_model(tmp_path):
+    """Q8_0 token embeddings of a tied model kept as int8: the lookup and the head read
+    the stored codes, and the model computes what the float load does."""
+    hf_model = make_hf_model("llama", tie_word_embeddings=True)
     path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "Q8_0")
+    float_model = eqdel.from_pretrained(path, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kept = eqdel.from_pretrained(path, progress=False, keep_quantized=True)
+    table = kept.model.embed_tokens
+    assert isinstance(table, eqdel.Int8Embedding) and table.group_size == 32
+    assert table.codes.dtype == jnp.int8 and kept.lm_head is None
+    assert isinstance(kept.model.layers.self_attn.q_proj, Linear)
+    for a, b in zip(jax.tree.leaves(eqdel.dequantize(kept)), jax.tree.leaves(float_model)):
+        np.testing.assert_array_equal(a, b)
+    ids = jnp.asarray(random_ids(2, 16))
+    np.testing.assert_allclose(kept(ids).logits, float_model(ids).logits, atol=1e-5, rtol=0)
+    eqdel.save_pretrained(kept, tmp_path / "saved")
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    sharded = eqdel.from_pretrained(path, sharding=cfg, progress=False, keep_quantized=True)
+    for again in (sharded, eqdel.from_pretrained(tmp_path / "saved", progress=False)):
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(kept), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+
+
+def test_keep_quantized_without_kept_blocks_warns_or_is_refused(tmp_path):
+    hf_model = make_hf_model("llama")
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "F16")
     with pytest.warns(UserWarning, match="model.gguf stores no decoder linear layer as Q4_0"):
         model = eqdel.from_pretrained(path, progress=False, keep_quantized=True)
     assert isinstance(model.model.layers.self_attn.q_proj, Linear)
+    assert isinstance(model.model.embed_tokens, eqdel.nn.Embedding)
     eqdel.save_pretrained(model, tmp_path / "saved")
     with pytest.raises(CheckpointError, match="keep_quantized applies to GGUF files"):
         eqdel.from_pretrained(tmp_path / "saved", progress=False, keep_quantized=True)

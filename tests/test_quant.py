@@ -416,3 +416,56 @@ def test_quantized_save_load_round_trip_is_exact(trained, bits, scheme, tmp_path
     (tmp_path / "q" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantization 'gptq' is not supported"):
         eqdel.from_pretrained(tmp_path / "q", progress=False)
+
+
+def test_int8_embeddings_round_each_group_of_a_row(trained):
+    """`embeddings=True`: the token table as int8 codes with a scale per 32 entries of a
+    row, each entry within half a step of its float value; alone with `targets=[]`."""
+    quantized = eqdel.quantize(trained, 8, embeddings=True)
+    table = quantized.model.embed_tokens
+    assert isinstance(table, eqdel.Int8Embedding) and table.codes.dtype == jnp.int8
+    assert isinstance(quantized.model.layers.self_attn.q_proj, eqdel.Int8Linear)
+    vocab, embed = trained.model.embed_tokens.weight.shape
+    assert table.scales.shape == (vocab, embed // 32)
+    error = jnp.abs(table.weight(jnp.float32) - trained.model.embed_tokens.weight)
+    steps = jnp.repeat(table.scales, 32, axis=-1)
+    assert bool(jnp.all(error <= steps / 2 * (1 + 1e-6)))
+    ids = jnp.asarray(random_ids(16, 32, vocab=vocab, seed=2))
+    agreement, kl = agreement_and_kl(trained, quantized, ids)
+    assert agreement >= 0.99 and kl < 1e-3
+    only = eqdel.quantize(trained, 8, targets=[], embeddings=True)
+    assert isinstance(only.model.embed_tokens, eqdel.Int8Embedding)
+    assert isinstance(only.model.layers.self_attn.q_proj, Linear)
+    with pytest.raises(ValueError, match="already quantized"):
+        eqdel.quantize(only, 8)
+
+
+def test_int8_embeddings_feed_a_tied_head_save_load_and_dequantize(trained, tmp_path):
+    import json
+
+    config = dataclasses.replace(trained.config, tie_word_embeddings=True)
+    tied = LlamaForCausalLM(config, key=jax.random.key(3))
+    quantized = eqdel.quantize(tied, 4, scheme="int4", group_size=32, embeddings=True)
+    assert (
+        tied.lm_head is None and quantized.get_output_embeddings() is quantized.model.embed_tokens
+    )
+    ids = jnp.asarray(random_ids(4, 8, vocab=config.vocab_size))
+    forward = jax.jit(lambda m: m(ids).logits)
+    plain = eqdel.dequantize(quantized)
+    assert type(plain.model.embed_tokens) is eqdel.nn.Embedding
+    scale = float(jnp.abs(forward(quantized)).max())
+    np.testing.assert_allclose(forward(plain), forward(quantized), atol=2e-6 * scale, rtol=0)
+    tokens = eqdel.generate(quantized, ids[:, :5], max_new_tokens=6)
+    np.testing.assert_array_equal(tokens, eqdel.generate(plain, ids[:, :5], max_new_tokens=6))
+
+    eqdel.save_pretrained(quantized, tmp_path / "q")
+    recorded = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert recorded["embedding_group_size"] == 32 and recorded["scheme"] == "int4"
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    for sharding in (None, cfg):
+        again = eqdel.from_pretrained(tmp_path / "q", sharding=sharding, progress=False)
+        assert isinstance(again.model.embed_tokens, eqdel.Int8Embedding)
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(quantized), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+    assert again.model.embed_tokens.codes.sharding.spec != (None, None)

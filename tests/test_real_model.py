@@ -253,7 +253,7 @@ def test_perplexity_command_scores_the_quantized_model(smollm2_file, model, text
     assert abs(scored.perplexity / float_model.perplexity - 1) < 0.005  # int8 costs little
 
 
-def test_q4_blocks_kept_as_int4_score_as_the_float_model(smollm2_file, model, text_ids):
+def test_gguf_blocks_kept_quantized_score_as_the_float_model(smollm2_file, model, text_ids):
     kept = eqdel.from_pretrained(smollm2_file, progress=False, keep_quantized=True)
     layers = kept.model.layers
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -266,10 +266,15 @@ def test_q4_blocks_kept_as_int4_score_as_the_float_model(smollm2_file, model, te
         for m in (kept, model)
     )
     assert kept_bytes / float_bytes == pytest.approx(3 / 16)
+    # The Q8_0 embeddings: a byte per entry and a float32 scale per 32 entries, 9/32.
+    table = kept.model.embed_tokens
+    assert isinstance(table, eqdel.Int8Embedding) and kept.lm_head is None
+    table_bytes = table.codes.nbytes + table.scales.nbytes
+    assert table_bytes / model.model.embed_tokens.weight.nbytes == pytest.approx(9 / 32)
     out = _cli("perplexity", str(smollm2_file), "--keep-quantized", "--window", "512")
     assert out.returncode == 0, out.stderr
     scored = eqdel.evaluate.perplexity(kept, text_ids, window=512, progress=False)
-    assert f"GGUF Q4 blocks kept as int4: perplexity {scored.perplexity:.4f} " in out.stdout
+    assert f"GGUF blocks kept quantized: perplexity {scored.perplexity:.4f} " in out.stdout
     float_model = eqdel.evaluate.perplexity(model, text_ids, window=512, progress=False)
     assert abs(scored.perplexity / float_model.perplexity - 1) < 1e-5  # the same weights
 

@@ -37,6 +37,12 @@ for Q4_1, a float16 offset `m`), then 16 bytes of codes `q` from 0 to 15, byte `
 holding inputs `k` and `k + 16`. The weights are `q * d + m` (Q4_1) or `(q - 8) * d`
 (Q4_0)."""
 INT4_GROUP = 32
+Q8_0_BLOCK = 34
+"""Bytes of a Q8_0 block: 32 entries of a row, a float16 scale `d`, then 32 int8 codes
+`q`; the entries are `q * d`. Token embeddings stored so are kept as int8 codes by
+`from_pretrained(..., keep_quantized=True)`."""
+Q8_0_GROUP = 32
+_EMBEDDINGS = "model.embed_tokens.weight"
 
 _CONFIG_KEYS = {
     "context_length": "max_position_embeddings",
@@ -148,9 +154,11 @@ class GGUFCheckpoint:
     **Arguments:**
 
     - `path`: the `.gguf` file.
-    - `keep_int4`: whether the decoder's linear layers stored as Q4_0 / Q4_1 in every
-        layer (`int4_modules`) are read as the `codes`, `scales` and `offsets` of an
-        `eqdel.Int4Linear` with groups of 32 rather than as a float `weight`.
+    - `keep_quantized`: whether the decoder's linear layers stored as Q4_0 / Q4_1 in
+        every layer (`int4_modules`) are read as the `codes`, `scales` and `offsets` of
+        an `eqdel.Int4Linear` with groups of 32 rather than as a float `weight`, and
+        token embeddings stored as Q8_0 as the `codes` and `scales` of an
+        `eqdel.Int8Embedding` with groups of 32 (`embedding_group`).
 
     **Raises:**
 
@@ -158,7 +166,7 @@ class GGUFCheckpoint:
     eqdel does not read.
     """
 
-    def __init__(self, path: Path, keep_int4: bool = False):
+    def __init__(self, path: Path, keep_quantized: bool = False):
         self.path = Path(path)
         self.reader = open_gguf(self.path)
         architecture = metadata(self.reader, "general.architecture")
@@ -179,15 +187,23 @@ class GGUFCheckpoint:
                 )
             self.tensors[_hf_tensor_name(tensor.name, architecture, self.path)] = tensor
         self.names = set(self.tensors)
-        self.int4_modules = self._int4_modules() if keep_int4 else []
+        self.int4_modules = self._int4_modules() if keep_quantized else []
         self._int4_parts = {
             f"{name.removesuffix('.weight')}.{part}": (name, part)
             for name in self.tensors
             if name.startswith("model.layers.") and name.split(".")[-2] in self.int4_modules
             for part in ("codes", "scales", "offsets")
         }
-        self.names -= {name for name, _ in self._int4_parts.values()}
-        self.names |= set(self._int4_parts)
+        embeddings = self.tensors.get(_EMBEDDINGS)
+        q8_0 = keep_quantized and embeddings is not None and embeddings.tensor_type.name == "Q8_0"
+        self.embedding_group = Q8_0_GROUP if q8_0 else None
+        self._int8_parts = {
+            f"model.embed_tokens.{part}": (_EMBEDDINGS, part)
+            for part in (("codes", "scales") if q8_0 else ())
+        }
+        kept = self._int4_parts | self._int8_parts
+        self.names -= {name for name, _ in kept.values()}
+        self.names |= set(kept)
 
     def _int4_modules(self) -> list[str]:
         """The decoder's linear layers (by field name, e.g. `q_proj`) stored in Q4_0 or
@@ -234,6 +250,9 @@ class GGUFCheckpoint:
             weight, part = self._int4_parts[name]
             n_out, n_in = self.shape(weight)
             return (n_in // 2 if part == "codes" else n_in // INT4_GROUP, n_out)
+        if name in self._int8_parts:
+            vocab, embed = self.shape(_EMBEDDINGS)
+            return (vocab, embed if name.endswith("codes") else embed // Q8_0_GROUP)
         return tuple(int(n) for n in reversed(self.tensors[name].shape))
 
     def _row_order(self, name: str) -> np.ndarray | None:
@@ -273,19 +292,30 @@ class GGUFCheckpoint:
             )
         return value.T[index[0]]
 
+    def _read_q8_0(self, name: str, index: tuple) -> np.ndarray:
+        """Block `index` of an `Int8Embedding` field straight from the stored Q8_0 blocks."""
+        part = self._int8_parts[name][1]
+        raw = np.asarray(self.tensors[_EMBEDDINGS].data[index[0]])
+        blocks = raw.reshape(len(raw), -1, Q8_0_BLOCK)
+        if part == "codes":
+            return blocks[..., 2:].copy().view(np.int8).reshape(len(raw), -1)[:, index[1]]
+        return _float16s(blocks[..., 0:2])[:, index[1]]
+
     def read(self, name: str, index: tuple) -> np.ndarray:
         """The float32 block `index` (a tuple of slices) of tensor `name` (for the parts
-        of a layer kept as int4, the stored codes, scales or offsets).
+        of a layer kept quantized, the stored codes, scales or offsets).
 
         Only the rows asked for are dequantised: GGML blocks never cross a row.
         """
         from gguf import dequantize
 
-        tensor = self.tensors[self._int4_parts.get(name, (name,))[0]]
+        tensor = self.tensors[(self._int4_parts | self._int8_parts).get(name, (name,))[0]]
         shape = self.shape(name)
         try:
             if name in self._int4_parts:
                 return self._read_int4(name, index)
+            if name in self._int8_parts:
+                return self._read_q8_0(name, index)
             if len(shape) == 1:
                 block = dequantize(tensor.data, tensor.tensor_type).reshape(shape)[index]
             else:

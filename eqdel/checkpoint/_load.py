@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from .._generation_config import GenerationConfig
 from .._placement import placements
-from .._quant import QUANT_METHOD, quantize
+from .._quant import QUANT_METHOD, quantize, with_int8_embeddings
 from .._sharding_config import ShardingConfig
 from ..models import config_class
 from ..models._registry import MODEL_TYPES
@@ -169,6 +169,18 @@ def _load_dtype(leaf, dtype):
     return dtype if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf.dtype
 
 
+def _quantized_as(bits: int, scheme, group_size: int, modules: list[str], embedding_group):
+    """The transformation that quantizes a skeleton's linear layers `modules` (if any)
+    and, when `embedding_group` is set, its token embeddings in groups of that size."""
+
+    def transform(model):
+        if modules:
+            model = quantize(model, bits, scheme=scheme, group_size=group_size, targets=modules)
+        return model if embedding_group is None else with_int8_embeddings(model, embedding_group)
+
+    return transform
+
+
 def _quantization(path: Path, hf: dict):
     """The transformation that gives the skeleton the checkpoint's quantized layers."""
     config = hf.get("quantization_config")
@@ -179,26 +191,26 @@ def _quantization(path: Path, hf: dict):
             f"{path / 'config.json'}: quantization {config.get('quant_method')!r} is not "
             f"supported; eqdel reads its own ({QUANT_METHOD!r}) and float checkpoints."
         )
-    return lambda model: quantize(
-        model,
+    return _quantized_as(
         config["bits"],
-        scheme=config.get("scheme"),
-        group_size=config.get("group_size") or 64,
-        targets=config["modules"],
+        config.get("scheme"),
+        config.get("group_size") or 64,
+        config["modules"],
+        config.get("embedding_group_size"),
     )
 
 
-def _gguf_int4(path: Path, modules: list[str]):
+def _gguf_kept(path: Path, reader: GGUFCheckpoint):
     """The transformation that gives the skeleton int4 layers where a GGUF file stores
-    Q4_0 / Q4_1 blocks."""
-    if not modules:
+    Q4_0 / Q4_1 blocks, and int8 embeddings where it stores them as Q8_0."""
+    modules, embedding_group = reader.int4_modules, reader.embedding_group
+    if not modules and embedding_group is None:
         warnings.warn(
-            f"{path.name} stores no decoder linear layer as Q4_0 or Q4_1 in every layer; "
-            "it loads as float.",
+            f"{path.name} stores no decoder linear layer as Q4_0 or Q4_1 in every layer and "
+            "no Q8_0 token embeddings; it loads as float.",
             stacklevel=3,
         )
-        return lambda model: model
-    return lambda model: quantize(model, 4, scheme="int4", group_size=INT4_GROUP, targets=modules)
+    return _quantized_as(4, "int4", INT4_GROUP, modules, embedding_group)
 
 
 def _loader(tensor: HFTensor, reader, dtype, shape: tuple[int, ...]):
@@ -248,9 +260,11 @@ def from_pretrained(
     - `progress`: show a progress bar.
     - `keep_quantized`: for a GGUF file, keep the decoder's linear layers that are
         stored as Q4_0 or Q4_1 blocks (in every layer) as [`eqdel.Int4Linear`][] with
-        groups of 32: the codes as stored, the float16 scales and offsets in `dtype`.
-        The model computes what the dequantised float one does; the codes take an
-        eighth of float32's bytes, float32 scales and offsets a sixteenth more. Other
+        groups of 32, and token embeddings stored as Q8_0 blocks as an
+        [`eqdel.Int8Embedding`][] with groups of 32: the codes as stored, the float16
+        scales and offsets in `dtype`. The model computes what the dequantised float one
+        does; 4-bit codes take an eighth of float32's bytes and int8 codes a quarter,
+        float32 scales and offsets a sixteenth more (a thirty-second for int8). Other
         layers load as float.
     - `**config_overrides`: config fields to set, such as `scan_layers=False`.
 
@@ -269,7 +283,7 @@ def from_pretrained(
     if not jnp.issubdtype(dtype, jnp.floating):
         raise CheckpointError(f"dtype {dtype.name} cannot hold model weights; use a float dtype.")
     if is_gguf(path):
-        reader = GGUFCheckpoint(path, keep_int4=keep_quantized)
+        reader = GGUFCheckpoint(path, keep_quantized=keep_quantized)
         hf, source = reader.hf_config, f"the metadata of {path.name}"
     elif keep_quantized:
         raise CheckpointError(
@@ -291,7 +305,7 @@ def from_pretrained(
     model_class = MODEL_TYPES[model_type]
     quantization = _quantization(path, hf)
     if keep_quantized:
-        quantization = _gguf_int4(path, reader.int4_modules)
+        quantization = _gguf_kept(path, reader)
     skeleton = eqx.filter_eval_shape(
         lambda: quantization(model_class(config, dtype=dtype, key=jax.random.key(0)))
     )

@@ -203,7 +203,7 @@ class CausalLM(eqx.Module):
         - `quantize`: int8 storage; `config.quantize_kv_cache` by default.
         """
         c = self.config
-        dtype = self.get_input_embeddings().weight.dtype if dtype is None else dtype
+        dtype = self.get_input_embeddings().dtype if dtype is None else dtype
         return KVCache.empty(
             c.num_hidden_layers,
             batch_size,

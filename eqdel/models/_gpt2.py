@@ -12,6 +12,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .. import axes as ax
 from .._cache import KVCache, KVLayer
 from .._generation_config import GenerationConfig
+from .._quant import Int8Embedding
 from ..attention import ATTENTION_MECHANISMS, AttentionMask, attention
 from ..nn import (
     REMAT_POLICIES,
@@ -258,7 +259,7 @@ class GPT2Block(eqx.Module):
 class GPT2Model(eqx.Module):
     """Token and position embeddings, the stacked blocks and the final LayerNorm."""
 
-    wte: Embedding
+    wte: Embedding | Int8Embedding
     wpe: Embedding
     h: GPT2Block | tuple[GPT2Block, ...]
     ln_f: LayerNorm
@@ -320,14 +321,14 @@ class GPT2LMHeadModel(CausalLM):
         self.transformer = GPT2Model(config, dtype=dtype, key=key)
         self.config = config
 
-    def get_input_embeddings(self) -> Embedding:
+    def get_input_embeddings(self) -> Embedding | Int8Embedding:
         return self.transformer.wte
 
-    def set_input_embeddings(self, embeddings: Embedding) -> "GPT2LMHeadModel":
+    def set_input_embeddings(self, embeddings: Embedding | Int8Embedding) -> "GPT2LMHeadModel":
         """A new model with `embeddings` as its token embeddings (and so its head)."""
         return eqx.tree_at(lambda m: m.transformer.wte, self, embeddings)
 
-    def get_output_embeddings(self) -> Embedding:
+    def get_output_embeddings(self) -> Embedding | Int8Embedding:
         """The head: the token embeddings, to which it is tied."""
         return self.transformer.wte
 

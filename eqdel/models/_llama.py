@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .. import axes as ax
 from .._cache import KVCache, KVLayer
 from .._generation_config import GenerationConfig
+from .._quant import Int8Embedding
 from ..attention import ATTENTION_MECHANISMS, AttentionMask
 from ..nn import (
     REMAT_POLICIES,
@@ -382,7 +383,7 @@ class LlamaDecoderLayer(eqx.Module):
 class LlamaModel(eqx.Module):
     """Embeddings, the stacked decoder layers and the final norm."""
 
-    embed_tokens: Embedding
+    embed_tokens: Embedding | Int8Embedding
     layers: eqx.Module | tuple[eqx.Module, ...]
     norm: RMSNorm
     rotary_emb: RotaryEmbedding
@@ -518,15 +519,15 @@ class LlamaForCausalLM(CausalLM):
 
     # -- the seed's model methods; setters return a new model -------------------------------
 
-    def get_input_embeddings(self) -> Embedding:
+    def get_input_embeddings(self) -> Embedding | Int8Embedding:
         """The token embedding table."""
         return self.model.embed_tokens
 
-    def set_input_embeddings(self, embeddings: Embedding) -> "LlamaForCausalLM":
+    def set_input_embeddings(self, embeddings: Embedding | Int8Embedding) -> "LlamaForCausalLM":
         """A new model with `embeddings` as its input embeddings."""
         return eqx.tree_at(lambda m: m.model.embed_tokens, self, embeddings)
 
-    def get_output_embeddings(self) -> Linear | Embedding:
+    def get_output_embeddings(self) -> Linear | Embedding | Int8Embedding:
         """The language-model head (the input embeddings when they are tied)."""
         return self.model.embed_tokens if self.lm_head is None else self.lm_head
 

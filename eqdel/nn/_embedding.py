@@ -34,6 +34,11 @@ class Embedding(eqx.Module):
         """
         self.weight = initializer_range * jax.random.normal(key, (vocab_size, embed_size), dtype)
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the embeddings it gives."""
+        return self.weight.dtype
+
     def __call__(self, ids: Int[Array, "*batch"]) -> Float[Array, "*batch embed"]:
         """**Arguments:**
 

@@ -34,6 +34,7 @@ _TARGETS = {
     "eqdel_few_rows_f32": "EqdelFewRowsF32",
     "eqdel_few_rows_bf16": "EqdelFewRowsBF16",
     "eqdel_few_rows_int8": "EqdelFewRowsInt8",
+    "eqdel_few_rows_int8_transposed": "EqdelFewRowsInt8Transposed",
     "eqdel_few_rows_int4": "EqdelFewRowsInt4",
     "eqdel_few_rows_nf4": "EqdelFewRowsNF4",
 }
@@ -153,6 +154,25 @@ def int8(
     def kernel(rows, codes, scales):
         scales = scales.astype(jnp.float32)
         return _call("eqdel_few_rows_int8", rows, codes.shape[1], codes, scales)
+
+    return _with_reference_gradient(kernel, reference)(rows, codes, scales)
+
+
+def int8_transposed(
+    rows: Float[Array, "rows in_features"],
+    codes: Int8[Array, "out_features in_features"],
+    scales: Float[Array, "out_features groups"],
+    group_size: int,
+    reference,
+) -> Float[Array, "rows out_features"]:
+    """`rows @ weight.T` for the `[out, in]` weight `codes * scale`, one scale per
+    `group_size` consecutive inputs of an output (an `Int8Embedding` as a tied head),
+    differentiated as `reference(rows, codes, scales)`."""
+
+    def kernel(rows, codes, scales):
+        scales = scales.astype(jnp.float32)
+        target = "eqdel_few_rows_int8_transposed"
+        return _call(target, rows, codes.shape[0], codes, scales, group=group_size)
 
     return _with_reference_gradient(kernel, reference)(rows, codes, scales)
 

@@ -459,6 +459,32 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// Int8Embedding as a tied head: codes stored [out, in], w[o, i] = code * scale[o, i / group].
+// A group that is a multiple of sixteen inputs puts every vector in one group.
+ffi::Error Int8TransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::S8> codes, ffi::Buffer<ffi::F32> scales,
+                              ffi::ResultBuffer<ffi::F32> y, int64_t group) {
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t out = y->dimensions()[1], groups = scales.dimensions()[1];
+  if (auto e = check_rows(rows); e.failure()) return e;
+  const int8_t* cd = codes.typed_data();
+  const float* sd = scales.typed_data();
+  const bool whole = group % kLanes == 0;
+  transposed(
+      pool, x.typed_data(), rows, in, out,
+      [=](int64_t o, int64_t i) {
+        const v16 w = __builtin_convertvector(widen(cd + o * in + i), v16);
+        const float* s = sd + o * groups;
+        if (whole) return w * s[i / group];
+        v16 lanes;
+        for (int64_t l = 0; l < kLanes; ++l) lanes[l] = s[(i + l) / group];
+        return w * lanes;
+      },
+      [=](int64_t o, int64_t i) { return float(cd[o * in + i]) * sd[o * groups + i / group]; },
+      y->typed_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
                     ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
                     ffi::ResultBuffer<ffi::F32> y, int64_t group) {
@@ -507,6 +533,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsInt8, Int8Impl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsInt8Transposed, Int8TransposedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsInt4, Int4Impl,
                               ffi::Ffi::Bind()
