@@ -470,11 +470,14 @@ ffi::Error Int8TransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int8_t* cd = codes.typed_data();
   const float* sd = scales.typed_data();
   const bool whole = group % kLanes == 0;
+  // A power of two (llama.cpp's 32) finds a vector's group by a shift, not a division.
+  const int shift = whole && (group & (group - 1)) == 0 ? __builtin_ctzll(group) : -1;
   transposed(
       pool, x.typed_data(), rows, in, out,
       [=](int64_t o, int64_t i) {
         const v16 w = __builtin_convertvector(widen(cd + o * in + i), v16);
         const float* s = sd + o * groups;
+        if (shift >= 0) return w * s[i >> shift];
         if (whole) return w * s[i / group];
         v16 lanes;
         for (int64_t l = 0; l < kLanes; ++l) lanes[l] = s[(i + l) / group];
