@@ -285,11 +285,16 @@ template <class Vec, class At>
 void transposed(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int64_t out,
                 const Vec& vec, const At& at, float* y) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per = std::max<int64_t>(64, (out + 16 * threads - 1) / (16 * threads)) / 4 * 4;
+  const int64_t per = std::max<int64_t>(64, (out + 16 * threads - 1) / (16 * threads)) / 8 * 8;
   const int64_t tasks = (out + per - 1) / per;
+  // Eight outputs at a time for one or two rows; more rows take four, so that the
+  // partial sums and the weight vectors stay in registers.
+  const bool eight = rows <= 2;
   parallel_for(pool, tasks, [&](int64_t t) {
     int64_t o = t * per;
     const int64_t end = std::min(out, o + per);
+    if (eight)
+      for (; o + 8 <= end; o += 8) transposed_rows<8>(x, rows, in, o, vec, at, y, out);
     for (; o + 4 <= end; o += 4) transposed_rows<4>(x, rows, in, o, vec, at, y, out);
     for (; o < end; ++o) transposed_rows<1>(x, rows, in, o, vec, at, y, out);
   });
