@@ -1,8 +1,9 @@
 """Quantization judged on a real model and real text: the perplexity of SmolLM2-135M
 (or any GGUF / checkpoint given) in float32, int8, NF4 and int4, rounded to nearest and
 by GPTQ, against a bitsandbytes-style NF4 reference on the same weights, and (for a GGUF
-file) with its Q4_0 / Q4_1 layers kept as int4; with the time each quantization takes
-and batch-1 decode speed.
+file) with its Q4_0 / Q4_1 layers kept as int4 and its Q8_0 token embeddings as int8;
+with the time each quantization takes and batch-1 decode speed (run with
+`EQDEL_CPU_KERNELS=1` for the CPU kernels).
 
 The text scored is the English passage shipped with eqdel (`eqdel perplexity`'s
 default); GPTQ calibrates on different text: the shipped corpus and instruction set.
@@ -68,6 +69,9 @@ def _bytes(model) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
 
 
+KEPT = "GGUF blocks kept (Q4 as int4, Q8_0 embeddings as int8)"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=None, help="GGUF file or directory (SmolLM2-135M)")
@@ -89,6 +93,7 @@ def main():
     recipes = {
         "float32": lambda: model,
         "int8": lambda: eqdel.quantize(model, 8),
+        "int8, embeddings too": lambda: eqdel.quantize(model, 8, embeddings=True),
         "int8 GPTQ": lambda: eqdel.quantize(model, 8, calibration=calibration),
         "NF4 g64": lambda: eqdel.quantize(model, 4, group_size=64),
         "NF4 g32": lambda: eqdel.quantize(model, 4, group_size=32),
@@ -102,7 +107,7 @@ def main():
         ),
     }
     if gguf:
-        recipes["GGUF Q4 blocks kept as int4"] = lambda: eqdel.from_pretrained(
+        recipes[KEPT] = lambda: eqdel.from_pretrained(
             path, progress=False, keep_quantized=True
         )
     results, variants = {}, {}
@@ -122,8 +127,8 @@ def main():
         r["vs_float"] = r["perplexity"] / base - 1
 
     prompt = jnp.asarray(text[None, :16])
-    decoded = ["float32", "int8", "NF4 g64", "int4 g32"]
-    decoded += ["GGUF Q4 blocks kept as int4"] if gguf else []
+    decoded = ["float32", "int8", "int8, embeddings too", "NF4 g64", "int4 g32"]
+    decoded += [KEPT] if gguf else []
     prepared = {name: variants[name].for_generation() for name in decoded}  # as commands do
     seconds = interleaved_medians(
         {

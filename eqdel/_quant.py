@@ -145,6 +145,9 @@ NF4_SHRINKS = tuple(1.0 - 0.02 * i for i in range(26))
 the block's largest weights but spaces the levels closer for the rest."""
 
 
+_COARSE = 3
+
+
 @eqx.filter_jit
 def fitted_nf4_scales(
     w: Float[Array, "*layers in_features out_features"],
@@ -153,7 +156,8 @@ def fitted_nf4_scales(
 ) -> Float[Array, "*layers groups out_features"]:
     """Every block's scale among `NF4_SHRINKS` of its absolute maximum that rounds the
     block with the least squared error, each input's error weighted by its `importance`
-    (by default all alike).
+    (by default all alike), found coarse to fine: every third fraction, then the two
+    beside the best of those.
 
     **Arguments:**
 
@@ -179,8 +183,16 @@ def fitted_nf4_scales(
         # a multiply and a sum.
         return jnp.einsum("...gio,...gi->...go", error, weighting)
 
-    errors = jax.lax.map(block_errors, shrinks)
-    return absmax * shrinks[jnp.argmin(errors, axis=0)]
+    # Every third fraction first, then the two beside the best of those: 11 roundings of
+    # the weight instead of 26.
+    errors = jax.lax.map(block_errors, shrinks[::_COARSE])
+    coarse = jnp.argmin(errors, axis=0) * _COARSE
+    best, least = coarse, jnp.min(errors, axis=0)
+    for step in (-1, 1):
+        near = jnp.clip(coarse + step, 0, len(NF4_SHRINKS) - 1)
+        error = block_errors(shrinks[near])
+        best, least = jnp.where(error < least, near, best), jnp.minimum(error, least)
+    return absmax * shrinks[best]
 
 
 def _through_dequantised(layer, x: Float[Array, "*batch in_features"]) -> Array:
