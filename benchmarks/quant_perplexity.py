@@ -107,9 +107,7 @@ def main():
         ),
     }
     if gguf:
-        recipes[KEPT] = lambda: eqdel.from_pretrained(
-            path, progress=False, keep_quantized=True
-        )
+        recipes[KEPT] = lambda: eqdel.from_pretrained(path, progress=False, keep_quantized=True)
     results, variants = {}, {}
     for name, recipe in recipes.items():
         start = time.perf_counter()
