@@ -92,6 +92,24 @@ def test_model_methods(checkpoint):
         model.set_output_embeddings(bigger)
 
 
+def test_int8_token_embeddings_feed_the_tied_head(checkpoint):
+    """`embeddings=True` quantizes the token table (which the head reads), not the
+    learned positions; the model computes and generates as its dequantised form."""
+    _, path = checkpoint
+    model = eqdel.from_pretrained(path, progress=False)
+    quantized = eqdel.quantize(model, 8, targets=[], embeddings=True)
+    assert isinstance(quantized.transformer.wte, eqdel.Int8Embedding)
+    assert isinstance(quantized.transformer.wpe, eqdel.nn.Embedding)
+    plain = eqdel.dequantize(quantized)
+    ids = jnp.asarray(random_ids(2, 10, seed=3))
+    forward = jax.jit(lambda m: m(ids).logits)
+    np.testing.assert_allclose(forward(quantized), forward(plain), rtol=0, atol=TOL)
+    np.testing.assert_array_equal(
+        eqdel.generate(quantized, ids[:, :4], max_new_tokens=6),
+        eqdel.generate(plain, ids[:, :4], max_new_tokens=6),
+    )
+
+
 def test_unsupported_attention_variants_are_refused():
     with pytest.raises(ValueError, match="does not implement: \\['reorder_and_upcast_attn'\\]"):
         eqdel.models.GPT2Config.from_hf_config(
