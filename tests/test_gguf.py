@@ -140,6 +140,24 @@ def test_quantized_gguf_loads_the_dequantised_weights(tensor_type, tmp_path):
     )
 
 
+def _check_kept(kept, float_model, path, tmp_path):
+    """Checks a GGUF model loaded with `keep_quantized=True` against its float load, and
+    returns it loaded again sharded."""
+    # The stored codes unchanged: dequantised, every weight is the float load's exactly.
+    for a, b in zip(jax.tree.leaves(eqdel.dequantize(kept)), jax.tree.leaves(float_model)):
+        np.testing.assert_array_equal(a, b)
+    ids = jnp.asarray(random_ids(2, 16))
+    np.testing.assert_allclose(kept(ids).logits, float_model(ids).logits, atol=1e-5, rtol=0)
+    eqdel.save_pretrained(kept, tmp_path / "saved")
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    sharded = eqdel.from_pretrained(path, sharding=cfg, progress=False, keep_quantized=True)
+    for again in (sharded, eqdel.from_pretrained(tmp_path / "saved", progress=False)):
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(kept), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(a, b)
+    return sharded
+
+
 @pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1"])
 def test_q4_blocks_kept_quantized_compute_the_dequantised_model(tensor_type, tmp_path):
     hf_model = make_hf_model("llama")
@@ -152,19 +170,8 @@ def test_q4_blocks_kept_quantized_compute_the_dequantised_model(tensor_type, tmp
     assert isinstance(attention.q_proj, eqdel.Int4Linear) and attention.q_proj.group_size == 32
     assert attention.q_proj.codes.dtype == jnp.uint8
     assert isinstance(attention.v_proj, Linear)
-    # The stored codes unchanged: dequantised, every weight is the float load's exactly.
-    for a, b in zip(jax.tree.leaves(eqdel.dequantize(kept)), jax.tree.leaves(float_model)):
-        np.testing.assert_array_equal(a, b)
-    ids = jnp.asarray(random_ids(2, 16))
-    np.testing.assert_allclose(kept(ids).logits, float_model(ids).logits, atol=1e-5, rtol=0)
-    eqdel.save_pretrained(kept, tmp_path / "saved")
-    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
-    sharded = eqdel.from_pretrained(path, sharding=cfg, progress=False, keep_quantized=True)
+    sharded = _check_kept(kept, float_model, path, tmp_path)
     assert sharded.model.layers.self_attn.q_proj.codes.sharding.spec != (None, None, None)
-    for again in (sharded, eqdel.from_pretrained(tmp_path / "saved", progress=False)):
-        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(kept), strict=True):
-            assert a.dtype == b.dtype
-            np.testing.assert_array_equal(a, b)
 
 
 def test_q8_0_embeddings_kept_quantized_compute_the_dequantised_model(tmp_path):
@@ -180,17 +187,7 @@ def test_q8_0_embeddings_kept_quantized_compute_the_dequantised_model(tmp_path):
     assert isinstance(table, eqdel.Int8Embedding) and table.group_size == 32
     assert table.codes.dtype == jnp.int8 and kept.lm_head is None
     assert isinstance(kept.model.layers.self_attn.q_proj, Linear)
-    for a, b in zip(jax.tree.leaves(eqdel.dequantize(kept)), jax.tree.leaves(float_model)):
-        np.testing.assert_array_equal(a, b)
-    ids = jnp.asarray(random_ids(2, 16))
-    np.testing.assert_allclose(kept(ids).logits, float_model(ids).logits, atol=1e-5, rtol=0)
-    eqdel.save_pretrained(kept, tmp_path / "saved")
-    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
-    sharded = eqdel.from_pretrained(path, sharding=cfg, progress=False, keep_quantized=True)
-    for again in (sharded, eqdel.from_pretrained(tmp_path / "saved", progress=False)):
-        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(kept), strict=True):
-            assert a.dtype == b.dtype
-            np.testing.assert_array_equal(a, b)
+    _check_kept(kept, float_model, path, tmp_path)
 
 
 def test_keep_quantized_without_kept_blocks_warns_or_is_refused(tmp_path):

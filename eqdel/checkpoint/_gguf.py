@@ -201,9 +201,9 @@ class GGUFCheckpoint:
             f"model.embed_tokens.{part}": (_EMBEDDINGS, part)
             for part in (("codes", "scales") if q8_0 else ())
         }
-        kept = self._int4_parts | self._int8_parts
-        self.names -= {name for name, _ in kept.values()}
-        self.names |= set(kept)
+        self._kept_parts = self._int4_parts | self._int8_parts
+        self.names -= {name for name, _ in self._kept_parts.values()}
+        self.names |= set(self._kept_parts)
 
     def _int4_modules(self) -> list[str]:
         """The decoder's linear layers (by field name, e.g. `q_proj`) stored in Q4_0 or
@@ -309,7 +309,7 @@ class GGUFCheckpoint:
         """
         from gguf import dequantize
 
-        tensor = self.tensors[(self._int4_parts | self._int8_parts).get(name, (name,))[0]]
+        tensor = self.tensors[self._kept_parts.get(name, (name,))[0]]
         shape = self.shape(name)
         try:
             if name in self._int4_parts:
