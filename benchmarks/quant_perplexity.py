@@ -94,6 +94,7 @@ def main():
         "float32": lambda: model,
         "int8": lambda: eqdel.quantize(model, 8),
         "int8, embeddings too": lambda: eqdel.quantize(model, 8, embeddings=True),
+        "int8 g32 (Q8_0's blocks)": lambda: eqdel.quantize(model, 8, group_size=32),
         "int8 GPTQ": lambda: eqdel.quantize(model, 8, calibration=calibration),
         "NF4 g64": lambda: eqdel.quantize(model, 4, group_size=64),
         "NF4 g32": lambda: eqdel.quantize(model, 4, group_size=32),
@@ -125,7 +126,8 @@ def main():
         r["vs_float"] = r["perplexity"] / base - 1
 
     prompt = jnp.asarray(text[None, :16])
-    decoded = ["float32", "int8", "int8, embeddings too", "NF4 g64", "int4 g32"]
+    decoded = ["float32", "int8", "int8, embeddings too", "int8 g32 (Q8_0's blocks)"]
+    decoded += ["NF4 g64", "int4 g32"]
     decoded += [KEPT] if gguf else []
     prepared = {name: variants[name].for_generation() for name in decoded}  # as commands do
     seconds = interleaved_medians(

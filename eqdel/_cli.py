@@ -186,11 +186,12 @@ def _perplexity(args) -> int:
     ids = tokenizer.encode(text_file.read_text()).ids
     described = "GGUF blocks kept quantized: " if args.keep_quantized else ""
     if args.quantize:
-        from ._quant import quantize
+        from ._quant import GROUP_SIZE, quantize
 
         bits = 8 if args.quantize == "int8" else 4
         model = quantize(model, bits, scheme=args.quantize, group_size=args.group_size)
-        described = args.quantize + (f" (groups of {args.group_size})" if bits == 4 else "") + ": "
+        group_size = args.group_size or (GROUP_SIZE if bits == 4 else None)
+        described = args.quantize + (f" (groups of {group_size})" if group_size else "") + ": "
     result = perplexity(model, ids, window=args.window, stride=args.stride)
     print(
         f"{described}perplexity {result.perplexity:.4f} (nll {result.nll:.5f} nats/token) over "
@@ -286,13 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="score the model quantized (rounded to nearest) rather than as loaded",
     )
     perplexity.add_argument(
-        "--group-size", type=int, default=64, help="NF4 / int4 inputs per scale"
+        "--group-size",
+        type=int,
+        default=None,
+        help="inputs per scale (default: eqdel.quantize's, groups for NF4 / int4 and one "
+        "scale per output channel for int8)",
     )
     weights.add_argument(
         "--keep-quantized",
         action="store_true",
-        help="a GGUF file's Q4_0 / Q4_1 layers as int4 codes and Q8_0 token embeddings as "
-        "int8 codes, not dequantised to float",
+        help="a GGUF file's Q4_0 / Q4_1 layers as int4 codes, and its Q8_0 layers and token "
+        "embeddings as int8 codes, not dequantised to float",
     )
     perplexity.set_defaults(run=_perplexity)
 

@@ -45,16 +45,23 @@ NF4_LEVELS = (
 _NF4_MIDPOINTS = (np.float32(NF4_LEVELS[1:]) + np.float32(NF4_LEVELS[:-1])) / np.float32(2)
 """The 15 float32 midpoints between consecutive NF4 levels."""
 
+GROUP_SIZE = 64
+"""Inputs per scale of 4-bit quantization, unless told otherwise."""
+
 
 def _safe(scales: Array) -> Array:
     return jnp.where(scales == 0, 1.0, scales)
 
 
 def int8_scales(
-    w: Float[Array, "*layers in_features out_features"],
-) -> Float[Array, "*layers out_features"]:
-    """Each output channel's absolute maximum over 127."""
-    return jnp.max(jnp.abs(w), axis=-2) / 127.0
+    w: Float[Array, "*layers in_features out_features"], group_size: int | None = None
+) -> Float[Array, "*layers out_features"] | Float[Array, "*layers groups out_features"]:
+    """Each output channel's absolute maximum over 127; with a `group_size`, that of
+    every block of `group_size` inputs of every output (the last block holds what is left
+    when `group_size` does not divide the inputs)."""
+    if group_size is None:
+        return jnp.max(jnp.abs(w), axis=-2) / 127.0
+    return nf4_scales(w, group_size) / 127.0
 
 
 def int8_codes(w: Float[Array, "*shape"], scales: Float[Array, "..."]) -> Int8[Array, "*shape"]:
@@ -222,38 +229,64 @@ def _reference(layer, names: tuple[str, ...]):
 
 
 class Int8Linear(eqx.Module):
-    """A `Linear` whose `[in, out]` weight is int8 codes times one float scale per output
-    channel, dequantised in the matmul."""
+    """A `Linear` whose `[in, out]` weight is int8 codes times a float scale, one per
+    output channel or, with a `group_size`, one per block of `group_size` inputs of every
+    output (llama.cpp's Q8_0 blocks are groups of 32); dequantised in the matmul. When
+    `group_size` does not divide the inputs, the last block holds the rest."""
 
     codes: Int8[Array, "*layers in_features out_features"] = field(axes=lambda self: self.axes)
-    scales: Float[Array, "*layers out_features"] = field(axes=lambda self: self.axes[1:])
+    scales: Float[Array, "*layers out_features"] | Float[Array, "*layers groups out_features"] = (
+        field(axes=lambda self: self.axes if self.group_size else self.axes[1:])
+    )
     bias: Float[Array, "*layers out_features"] | None = field(axes=lambda self: self.axes[1:])
+    group_size: int | None = eqx.field(static=True)
     axes: tuple = eqx.field(static=True)
     checkpoint_transposed: bool = eqx.field(static=True)
 
-    def __init__(self, linear: Linear, scales: Float[Array, "*layers out_features"] | None = None):
+    def __init__(
+        self,
+        linear: Linear,
+        scales: Float[Array, "*layers out_features"]
+        | Float[Array, "*layers groups out_features"]
+        | None = None,
+        group_size: int | None = None,
+    ):
         """**Arguments:**
 
         - `linear`: the layer to quantize (its weight may carry leading layer dimensions).
         - `scales`: the scales to round against, kept as given; by default each output
-            channel's absolute maximum over 127, in the weight's dtype.
+            channel's (or block's) absolute maximum over 127, in the weight's dtype.
+        - `group_size`: inputs per scale; `None` for one scale per output channel.
+
+        **Raises:**
+
+        `ValueError` for a `group_size` below 1.
         """
+        if group_size is not None and group_size < 1:
+            raise ValueError(f"int8 group_size must be at least 1, not {group_size}.")
         w = linear.weight.astype(jnp.float32)
         if scales is None:
-            scales = int8_scales(w).astype(linear.weight.dtype)
-        self.codes = int8_codes(w, scales.astype(jnp.float32)[..., None, :])
+            scales = int8_scales(w, group_size).astype(linear.weight.dtype)
+        self.group_size = group_size
+        self.codes = int8_codes(w, self._per_weight(scales.astype(jnp.float32), w.shape[-2]))
         self.scales = scales
         self.bias = linear.bias
         self.axes = linear.axes
         self.checkpoint_transposed = linear.checkpoint_transposed
 
+    def _per_weight(self, scales: Array, n_in: int) -> Array:
+        if self.group_size is None:
+            return scales[..., None, :]
+        return per_input(scales, self.group_size, n_in)
+
     def weight(self, dtype) -> Float[Array, "*layers in_features out_features"]:
         """The dequantised weight."""
-        return self.codes.astype(dtype) * self.scales.astype(dtype)[..., None, :]
+        scales = self._per_weight(self.scales.astype(dtype), self.codes.shape[-2])
+        return self.codes.astype(dtype) * scales
 
     def _kernel_product(self, rows: Float[Array, "rows in_features"]) -> Array:
         reference = _reference(self, ("codes", "scales"))
-        return _few_rows.int8(rows, self.codes, self.scales, reference)
+        return _few_rows.int8(rows, self.codes, self.scales, self.group_size, reference)
 
     def __call__(
         self, x: Float[Array, "*batch in_features"]
@@ -278,7 +311,7 @@ class NF4Linear(eqx.Module):
     def __init__(
         self,
         linear: Linear,
-        group_size: int = 64,
+        group_size: int = GROUP_SIZE,
         scales: Float[Array, "*layers groups out_features"] | None = None,
     ):
         """**Arguments:**
@@ -356,7 +389,7 @@ class Int4Linear(eqx.Module):
     def __init__(
         self,
         linear: Linear,
-        group_size: int = 64,
+        group_size: int = GROUP_SIZE,
         scales_offsets: tuple[Array, Array] | None = None,
     ):
         """**Arguments:**
@@ -543,16 +576,19 @@ NEAREST = {"int8": int8_values, "nf4": nf4_values, "int4": int4_values}
 def _fixed_scales(
     weight: Float[Array, "*layers in_features out_features"],
     scheme: str,
-    group_size: int,
+    group_size: int | None,
     gram: Float[Array, "*layers in_features in_features"] | None,
 ):
     """The scales a layer rounds against, in its weight's dtype (a scale and an offset
     for int4), and the same as float32 for every weight. NF4 fits its block scales
     weighting each input by its calibration activations' mean square, from `gram`."""
     w, dtype, n_in = weight.astype(jnp.float32), weight.dtype, weight.shape[-2]
-    if scheme == "int8":
+    if scheme == "int8" and group_size is None:
         scales = int8_scales(w).astype(dtype)
         return scales, jnp.broadcast_to(scales.astype(jnp.float32)[..., None, :], w.shape)
+    if scheme == "int8":
+        scales = int8_scales(w, group_size).astype(dtype)
+        return scales, per_input(scales.astype(jnp.float32), group_size, n_in)
     if scheme == "nf4":
         importance = None if gram is None else jnp.diagonal(gram, axis1=-2, axis2=-1)
         scales = fitted_nf4_scales(w, group_size, importance).astype(dtype)
@@ -562,11 +598,11 @@ def _fixed_scales(
 
 
 @eqx.filter_jit
-def _built(linear: Linear, scheme: str, group_size: int, scales):
+def _built(linear: Linear, scheme: str, group_size: int | None, scales):
     """The quantized layer holding `linear`'s weights (already on the grid of `scales`,
     or rounded to nearest on it)."""
     if scheme == "int8":
-        return Int8Linear(linear, scales)
+        return Int8Linear(linear, scales, group_size)
     if scheme == "nf4":
         return NF4Linear(linear, group_size, scales)
     return Int4Linear(linear, group_size, scales)
@@ -620,14 +656,14 @@ def _gptq_rounded(
     return rounded
 
 
-def _scheme(bits: int, scheme: str | None, group_size: int) -> str:
+def checked_scheme(bits: int, scheme: str | None, group_size: int | None) -> str:
     """The scheme asked for, checked against `bits` and `group_size`."""
     if bits not in SCHEMES:
         raise ValueError(f"bits must be 8 (int8) or 4 (NF4 or int4), not {bits}.")
     scheme = SCHEMES[bits][0] if scheme is None else scheme
     if scheme not in SCHEMES[bits]:
         raise ValueError(f"{bits}-bit quantization is one of {SCHEMES[bits]}, not {scheme!r}.")
-    if bits == 4 and group_size < 1:
+    if group_size is not None and group_size < 1:
         raise ValueError(f"group_size must be at least 1, not {group_size}.")
     if scheme == "int4" and group_size % 2:
         raise ValueError(f"int4 group_size must be even, not {group_size}.")
@@ -639,7 +675,7 @@ def quantize(
     bits: int = 8,
     *,
     scheme: str | None = None,
-    group_size: int = 64,
+    group_size: int | None = None,
     targets=None,
     calibration: Int[Array, "batch seq"] | None = None,
     progress: bool = True,
@@ -647,7 +683,8 @@ def quantize(
 ):
     """A new model whose linear layers are quantized:
 
-    - `bits=8`: int8 codes with a scale per output channel ([`eqdel.Int8Linear`][]);
+    - `bits=8`: int8 codes with a scale per output channel, or per `group_size` inputs
+        when one is given ([`eqdel.Int8Linear`][]);
     - `bits=4` (`scheme="nf4"`, the default): NF4 codes with a scale per `group_size`
         inputs ([`eqdel.NF4Linear`][]);
     - `bits=4, scheme="int4"`: 4-bit integer codes with a scale and an offset per
@@ -667,16 +704,17 @@ def quantize(
     of its block's absolute maximum (from 1 down to ½) that rounds the block with the
     least squared error, weighting each input by its calibration activations' mean square
     when there are any. int4 blocks span their smallest to their largest weight. int8
-    scales are each output channel's absolute maximum.
+    scales are each output channel's (or block's) absolute maximum.
 
     **Arguments:**
 
     - `model`: any eqdel model.
     - `bits`: `8` or `4`.
     - `scheme`: for 4 bits, `"nf4"` (default) or `"int4"`.
-    - `group_size`: the 4-bit block of inputs per scale (even for int4). A layer whose
-        inputs it does not divide gets a last, smaller block with its own scale (and a
-        warning says so).
+    - `group_size`: the block of inputs per scale (even for int4); by default 64 for
+        4 bits and, for int8, none (a scale per output channel). A layer whose inputs
+        it does not divide gets a last, smaller block with its own scale (and a warning
+        says so).
     - `targets`: field names of the linear layers to quantize; by default every `Linear`
         but the language-model head (`lm_head`).
     - `calibration`: `[batch, seq]` token ids for GPTQ; text like the model's use.
@@ -695,7 +733,9 @@ def quantize(
     `ValueError` for other `bits` or schemes, a `group_size` below 1 (or odd, for int4),
     no matching layer, or a model already quantized.
     """
-    scheme = _scheme(bits, scheme, group_size)
+    if group_size is None and bits == 4:
+        group_size = GROUP_SIZE
+    scheme = checked_scheme(bits, scheme, group_size)
     if module_paths(model, lambda _, m: isinstance(m, (*QUANTIZED, Int8Embedding))):
         raise ValueError("The model is already quantized; dequantize it first.")
 
@@ -706,7 +746,7 @@ def quantize(
 
     paths = module_paths(model, wanted)
     if paths:
-        model = _quantized_linears(model, paths, scheme, group_size, calibration, progress)
+        model = quantize_linears(model, paths, scheme, group_size, calibration, progress)
     elif not (embeddings and targets is not None):
         raise ValueError(f"No linear layer to quantize (targets={targets}).")
     return with_int8_embeddings(model) if embeddings else model
@@ -718,10 +758,12 @@ def with_int8_embeddings(model, group_size: int = EMBEDDING_GROUP):
     return eqx.tree_at(lambda m: m.get_input_embeddings(), model, table)
 
 
-def _quantized_linears(model, paths, scheme: str, group_size: int, calibration, progress: bool):
+def quantize_linears(
+    model, paths, scheme: str, group_size: int | None, calibration, progress: bool
+):
     """`model` with the linear layers at `paths` quantized (see `quantize`)."""
     layers = [get_path(model, p) for p in paths]
-    if scheme != "int8":
+    if group_size is not None:
         for n_in in sorted({layer.weight.shape[-2] for layer in layers}):
             if n_in % group_size == 0:
                 continue

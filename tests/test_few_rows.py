@@ -38,7 +38,12 @@ def _float64_product(rows, weight):
 
 def _quantized_layers(key, n_in, n_out, group):
     linear = Linear(n_in, n_out, axes=(None, None), use_bias=True, key=key)
-    return [Int8Linear(linear), NF4Linear(linear, group), Int4Linear(linear, group)]
+    return [
+        Int8Linear(linear),
+        Int8Linear(linear, group_size=group),
+        NF4Linear(linear, group),
+        Int4Linear(linear, group),
+    ]
 
 
 @pytest.mark.parametrize("rows, n_in, n_out, group", SHAPES)

@@ -174,9 +174,10 @@ def test_q4_blocks_kept_quantized_compute_the_dequantised_model(tensor_type, tmp
     assert sharded.model.layers.self_attn.q_proj.codes.sharding.spec != (None, None, None)
 
 
-def test_q8_0_embeddings_kept_quantized_compute_the_dequantised_model(tmp_path):
-    """Q8_0 token embeddings of a tied model kept as int8: the lookup and the head read
-    the stored codes, and the model computes what the float load does."""
+def test_q8_0_blocks_kept_quantized_compute_the_dequantised_model(tmp_path):
+    """A Q8_0 file of a tied model kept as int8: the linear layers and the token
+    embeddings (which the head reads too) hold the stored codes and scales, and the model
+    computes what the float load does."""
     hf_model = make_hf_model("llama", tie_word_embeddings=True)
     path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "Q8_0")
     float_model = eqdel.from_pretrained(path, progress=False)
@@ -186,8 +187,33 @@ def test_q8_0_embeddings_kept_quantized_compute_the_dequantised_model(tmp_path):
     table = kept.model.embed_tokens
     assert isinstance(table, eqdel.Int8Embedding) and table.group_size == 32
     assert table.codes.dtype == jnp.int8 and kept.lm_head is None
-    assert isinstance(kept.model.layers.self_attn.q_proj, Linear)
-    _check_kept(kept, float_model, path, tmp_path)
+    layer = kept.model.layers
+    for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
+        assert isinstance(linear, eqdel.Int8Linear) and linear.group_size == 32
+        assert linear.codes.dtype == jnp.int8
+        assert linear.scales.shape == (2, linear.codes.shape[1] // 32, linear.codes.shape[2])
+    sharded = _check_kept(kept, float_model, path, tmp_path)
+    assert sharded.model.layers.mlp.down_proj.codes.sharding.spec != (None, None, None)
+
+
+def test_q4_and_q8_0_layers_kept_side_by_side(tmp_path):
+    """A Q4_1 file whose value projections are Q8_0 in every layer keeps both: int4 and
+    int8 layers in one model, computing what the float load does. Saving it names the
+    mix."""
+    hf_model = make_hf_model("llama")
+    types = {f"blk.{i}.attn_v.weight": "Q8_0" for i in range(2)}
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "Q4_1", types)
+    float_model = eqdel.from_pretrained(path, progress=False)
+    kept = eqdel.from_pretrained(path, progress=False, keep_quantized=True)
+    attention = kept.model.layers.self_attn
+    assert isinstance(attention.q_proj, eqdel.Int4Linear)
+    assert isinstance(attention.v_proj, eqdel.Int8Linear) and attention.v_proj.group_size == 32
+    for a, b in zip(jax.tree.leaves(eqdel.dequantize(kept)), jax.tree.leaves(float_model)):
+        np.testing.assert_array_equal(a, b)
+    ids = jnp.asarray(random_ids(2, 16))
+    np.testing.assert_allclose(kept(ids).logits, float_model(ids).logits, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="mixes quantizations"):
+        eqdel.save_pretrained(kept, tmp_path / "saved")
 
 
 def test_keep_quantized_without_kept_blocks_warns_or_is_refused(tmp_path):

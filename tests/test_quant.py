@@ -151,7 +151,7 @@ def test_input_grams_sum_each_layers_inputs(trained):
     assert not np.allclose(q_gram, up_gram)  # the MLP reads the post-attention norm
 
 
-@pytest.mark.parametrize("scheme", ["int8", "nf4", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int8 in groups", "nf4", "int4"])
 def test_gptq_rounding_lowers_output_error_and_stays_on_the_grid(scheme):
     rng = np.random.RandomState(0)
     mixing = rng.randn(64, 64) * rng.exponential(1.0, 64)  # correlated, uneven inputs
@@ -161,6 +161,10 @@ def test_gptq_rounding_lowers_output_error_and_stays_on_the_grid(scheme):
         nearest = eqdel.Int8Linear(layer)
         scales = jnp.broadcast_to(nearest.scales[None, :], (64, 32))
         values, build = int8_values, lambda lin: eqdel.Int8Linear(lin, nearest.scales)
+    elif scheme == "int8 in groups":
+        nearest = eqdel.Int8Linear(layer, group_size=16)
+        scales = per_input(nearest.scales, 16, 64)
+        values, build = int8_values, lambda lin: eqdel.Int8Linear(lin, nearest.scales, 16)
     elif scheme == "int4":
         nearest = eqdel.Int4Linear(layer, 16)
         ranges = (nearest.scales, nearest.offsets)
@@ -272,12 +276,12 @@ def test_calibrated_quantization_of_a_sharded_model_is_the_same(trained):
         assert np.mean(np.asarray(a) != np.asarray(b)) < 1e-3
 
 
-SCHEMES = [(8, None), (4, "nf4"), (4, "int4")]
+SCHEMES = [(8, None, None), (8, None, 32), (4, "nf4", 32), (4, "int4", 32)]
 
 
-@pytest.mark.parametrize(("bits", "scheme"), SCHEMES)
-def test_quantized_models_shard_generate_and_dequantize(trained, bits, scheme):
-    quantized = eqdel.quantize(trained, bits, scheme=scheme, group_size=32)
+@pytest.mark.parametrize(("bits", "scheme", "group_size"), SCHEMES)
+def test_quantized_models_shard_generate_and_dequantize(trained, bits, scheme, group_size):
+    quantized = eqdel.quantize(trained, bits, scheme=scheme, group_size=group_size)
     ids = jnp.asarray(random_ids(4, 8, vocab=trained.config.vocab_size))
     forward = jax.jit(lambda m: m(ids).logits)
     cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
@@ -348,33 +352,59 @@ def test_bad_quantization_requests_are_named(trained):
         eqdel.dequantize(trained)
 
 
+def _by_blocks(w: np.ndarray, group_size: int, rounded) -> np.ndarray:
+    """`w` (numpy) with every block of `group_size` inputs (the last one partial) replaced
+    by `rounded(block)`."""
+    blocks = [w[start : start + group_size] for start in range(0, len(w), group_size)]
+    return np.concatenate([rounded(block) for block in blocks])
+
+
 @pytest.mark.parametrize(("n_in", "group_size"), [(100, 32), (61, 16), (61, 61), (64, 7)])
 def test_nf4_takes_any_shape_with_a_last_partial_group(n_in, group_size):
     layer = Linear(n_in, 24, axes=(None, None), key=jax.random.key(5))
     w = np.asarray(layer.weight)
     levels = np.asarray(NF4_LEVELS, np.float32)
-    want = np.empty_like(w)
-    for start in range(0, n_in, group_size):  # numpy: each block by its own absmax
-        block = w[start : start + group_size]
+
+    def rounded(block):  # by the block's absolute maximum
         absmax = np.abs(block).max(0)
-        nearest = levels[np.abs(block[..., None] / absmax[:, None] - levels).argmin(-1)]
-        want[start : start + group_size] = nearest * absmax
+        return levels[np.abs(block[..., None] / absmax[:, None] - levels).argmin(-1)] * absmax
+
+    want = _by_blocks(w, group_size, rounded)
     nf4 = eqdel.NF4Linear(layer, group_size)
     assert nf4.codes.shape == (-(-n_in // 2), 24)
     assert nf4.scales.shape == (-(-n_in // group_size), 24)
     np.testing.assert_allclose(nf4.weight(jnp.float32), want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize(("n_in", "group_size"), [(100, 32), (61, 16), (64, 7)])
+def test_int8_in_groups_takes_any_shape_with_a_last_partial_group(n_in, group_size):
+    layer = Linear(n_in, 24, axes=(None, None), key=jax.random.key(5))
+    w = np.asarray(layer.weight)
+
+    def rounded(block):  # by the block's absolute maximum over 127
+        step = np.abs(block).max(0) / 127
+        return np.round(block / step) * step
+
+    want = _by_blocks(w, group_size, rounded)
+    int8 = eqdel.Int8Linear(layer, group_size=group_size)
+    assert int8.codes.shape == (n_in, 24) and int8.codes.dtype == jnp.int8
+    assert int8.scales.shape == (-(-n_in // group_size), 24)
+    np.testing.assert_allclose(int8.weight(jnp.float32), want, rtol=1e-6, atol=0)
+    assert int8.weight(jnp.float32).shape == w.shape
+    with pytest.raises(ValueError, match="int8 group_size must be at least 1, not 0"):
+        eqdel.Int8Linear(layer, group_size=0)
+
+
 @pytest.mark.parametrize(("n_in", "group_size"), [(100, 32), (61, 16), (62, 62), (64, 8)])
 def test_int4_takes_any_shape_with_a_last_partial_group(n_in, group_size):
     layer = Linear(n_in, 24, axes=(None, None), key=jax.random.key(6))
     w = np.asarray(layer.weight)
-    want = np.empty_like(w)
-    for start in range(0, n_in, group_size):  # numpy: each block from its minimum up
-        block = w[start : start + group_size]
+
+    def rounded(block):  # from the block's minimum up
         low, step = block.min(0), (block.max(0) - block.min(0)) / 15
-        want[start : start + group_size] = np.clip(np.round((block - low) / step), 0, 15)
-        want[start : start + group_size] = want[start : start + group_size] * step + low
+        return np.clip(np.round((block - low) / step), 0, 15) * step + low
+
+    want = _by_blocks(w, group_size, rounded)
     int4 = eqdel.Int4Linear(layer, group_size)
     groups = -(-n_in // group_size)
     assert int4.codes.shape == (groups * group_size // 2, 24)
@@ -394,15 +424,15 @@ def test_quantizing_layers_that_groups_do_not_divide_warns_and_round_trips(train
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize(("bits", "scheme"), SCHEMES)
-def test_quantized_save_load_round_trip_is_exact(trained, bits, scheme, tmp_path):
+@pytest.mark.parametrize(("bits", "scheme", "group_size"), SCHEMES)
+def test_quantized_save_load_round_trip_is_exact(trained, bits, scheme, group_size, tmp_path):
     import json
 
-    quantized = eqdel.quantize(trained, bits, scheme=scheme, group_size=32)
+    quantized = eqdel.quantize(trained, bits, scheme=scheme, group_size=group_size)
     eqdel.save_pretrained(quantized, tmp_path / "q")
     recorded = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert recorded["quant_method"] == "eqdel" and recorded["bits"] == bits
-    assert recorded["scheme"] == (scheme or "int8")
+    assert recorded["scheme"] == (scheme or "int8") and recorded["group_size"] == group_size
     cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
     for sharding in (None, cfg):
         again = eqdel.from_pretrained(tmp_path / "q", sharding=sharding, progress=False)

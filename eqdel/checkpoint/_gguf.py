@@ -39,8 +39,8 @@ holding inputs `k` and `k + 16`. The weights are `q * d + m` (Q4_1) or `(q - 8) 
 INT4_GROUP = 32
 Q8_0_BLOCK = 34
 """Bytes of a Q8_0 block: 32 entries of a row, a float16 scale `d`, then 32 int8 codes
-`q`; the entries are `q * d`. Token embeddings stored so are kept as int8 codes by
-`from_pretrained(..., keep_quantized=True)`."""
+`q`; the entries are `q * d`. Linear layers and token embeddings stored so are kept as
+int8 codes by `from_pretrained(..., keep_quantized=True)`."""
 Q8_0_GROUP = 32
 _EMBEDDINGS = "model.embed_tokens.weight"
 
@@ -156,9 +156,11 @@ class GGUFCheckpoint:
     - `path`: the `.gguf` file.
     - `keep_quantized`: whether the decoder's linear layers stored as Q4_0 / Q4_1 in
         every layer (`int4_modules`) are read as the `codes`, `scales` and `offsets` of
-        an `eqdel.Int4Linear` with groups of 32 rather than as a float `weight`, and
-        token embeddings stored as Q8_0 as the `codes` and `scales` of an
-        `eqdel.Int8Embedding` with groups of 32 (`embedding_group`).
+        an `eqdel.Int4Linear` with groups of 32 rather than as a float `weight`, those
+        stored as Q8_0 in every layer (`int8_modules`) as the `codes` and `scales` of an
+        `eqdel.Int8Linear` with groups of 32, and token embeddings stored as Q8_0 as the
+        `codes` and `scales` of an `eqdel.Int8Embedding` with groups of 32
+        (`embedding_group`).
 
     **Raises:**
 
@@ -187,34 +189,41 @@ class GGUFCheckpoint:
                 )
             self.tensors[_hf_tensor_name(tensor.name, architecture, self.path)] = tensor
         self.names = set(self.tensors)
-        self.int4_modules = self._int4_modules() if keep_quantized else []
-        self._int4_parts = {
-            f"{name.removesuffix('.weight')}.{part}": (name, part)
-            for name in self.tensors
-            if name.startswith("model.layers.") and name.split(".")[-2] in self.int4_modules
-            for part in ("codes", "scales", "offsets")
-        }
+        self.int4_modules = self._modules_stored_as(INT4_BLOCK_TYPES) if keep_quantized else []
+        self.int8_modules = self._modules_stored_as({"Q8_0"}) if keep_quantized else []
+        self._int4_parts = self._layer_parts(self.int4_modules, ("codes", "scales", "offsets"))
+        self._int8_parts = self._layer_parts(self.int8_modules, ("codes", "scales"))
         embeddings = self.tensors.get(_EMBEDDINGS)
         q8_0 = keep_quantized and embeddings is not None and embeddings.tensor_type.name == "Q8_0"
         self.embedding_group = Q8_0_GROUP if q8_0 else None
-        self._int8_parts = {
+        self._embedding_parts = {
             f"model.embed_tokens.{part}": (_EMBEDDINGS, part)
             for part in (("codes", "scales") if q8_0 else ())
         }
-        self._kept_parts = self._int4_parts | self._int8_parts
+        self._kept_parts = self._int4_parts | self._int8_parts | self._embedding_parts
         self.names -= {name for name, _ in self._kept_parts.values()}
         self.names |= set(self._kept_parts)
 
-    def _int4_modules(self) -> list[str]:
-        """The decoder's linear layers (by field name, e.g. `q_proj`) stored in Q4_0 or
-        Q4_1 blocks in every layer."""
+    def _modules_stored_as(self, types) -> list[str]:
+        """The decoder's linear layers (by field name, e.g. `q_proj`) stored in blocks of
+        one of `types` in every layer."""
         kinds: dict[str, set[bool]] = {}
         for name, tensor in self.tensors.items():
             if name.startswith("model.layers.") and name.endswith(".weight"):
                 module = name.split(".")[-2]
-                is_int4 = tensor.tensor_type.name in INT4_BLOCK_TYPES
-                kinds.setdefault(module, set()).add(is_int4 and len(tensor.shape) == 2)
+                kept = tensor.tensor_type.name in types and len(tensor.shape) == 2
+                kinds.setdefault(module, set()).add(kept)
         return sorted(module for module, kind in kinds.items() if kind == {True})
+
+    def _layer_parts(self, modules: list[str], parts: tuple[str, ...]) -> dict:
+        """`{layer field name: (the stored weight's name, the field)}` for the fields
+        `parts` of every layer's `modules`."""
+        return {
+            f"{name.removesuffix('.weight')}.{part}": (name, part)
+            for name in self.tensors
+            if name.startswith("model.layers.") and name.split(".")[-2] in modules
+            for part in parts
+        }
 
     def _hf_config(self) -> dict:
         reader, arch = self.reader, self.architecture
@@ -251,6 +260,10 @@ class GGUFCheckpoint:
             n_out, n_in = self.shape(weight)
             return (n_in // 2 if part == "codes" else n_in // INT4_GROUP, n_out)
         if name in self._int8_parts:
+            weight, part = self._int8_parts[name]
+            n_out, n_in = self.shape(weight)
+            return (n_in if part == "codes" else n_in // Q8_0_GROUP, n_out)
+        if name in self._embedding_parts:
             vocab, embed = self.shape(_EMBEDDINGS)
             return (vocab, embed if name.endswith("codes") else embed // Q8_0_GROUP)
         return tuple(int(n) for n in reversed(self.tensors[name].shape))
@@ -292,14 +305,14 @@ class GGUFCheckpoint:
             )
         return value.T[index[0]]
 
-    def _read_q8_0(self, name: str, index: tuple) -> np.ndarray:
-        """Block `index` of an `Int8Embedding` field straight from the stored Q8_0 blocks."""
-        part = self._int8_parts[name][1]
-        raw = np.asarray(self.tensors[_EMBEDDINGS].data[index[0]])
+    def _read_q8_0(self, weight: str, part: str, rows: np.ndarray | slice) -> np.ndarray:
+        """The int8 codes (`[rows, entries]`) or float16 scales (`[rows, blocks]`) of
+        rows `rows` of `weight`, straight from its stored Q8_0 blocks."""
+        raw = np.asarray(self.tensors[weight].data[rows])
         blocks = raw.reshape(len(raw), -1, Q8_0_BLOCK)
         if part == "codes":
-            return blocks[..., 2:].copy().view(np.int8).reshape(len(raw), -1)[:, index[1]]
-        return _float16s(blocks[..., 0:2])[:, index[1]]
+            return blocks[..., 2:].copy().view(np.int8).reshape(len(raw), -1)
+        return _float16s(blocks[..., 0:2])
 
     def read(self, name: str, index: tuple) -> np.ndarray:
         """The float32 block `index` (a tuple of slices) of tensor `name` (for the parts
@@ -314,8 +327,13 @@ class GGUFCheckpoint:
         try:
             if name in self._int4_parts:
                 return self._read_int4(name, index)
-            if name in self._int8_parts:
-                return self._read_q8_0(name, index)
+            if name in self._int8_parts:  # an `Int8Linear` field, `[inputs, outputs]`
+                weight, part = self._int8_parts[name]
+                rows = self._stored_rows(weight, index[1])
+                return self._read_q8_0(weight, part, rows).T[index[0]]
+            if name in self._embedding_parts:
+                part = self._embedding_parts[name][1]
+                return self._read_q8_0(_EMBEDDINGS, part, index[0])[:, index[1]]
             if len(shape) == 1:
                 block = dequantize(tensor.data, tensor.tensor_type).reshape(shape)[index]
             else:

@@ -14,13 +14,21 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from .._generation_config import GenerationConfig
+from .._paths import module_paths
 from .._placement import placements
-from .._quant import QUANT_METHOD, quantize, with_int8_embeddings
+from .._quant import (
+    GROUP_SIZE,
+    QUANT_METHOD,
+    checked_scheme,
+    quantize_linears,
+    with_int8_embeddings,
+)
 from .._sharding_config import ShardingConfig
 from ..models import config_class
 from ..models._registry import MODEL_TYPES
+from ..nn import Linear
 from ._errors import CheckpointError
-from ._gguf import INT4_GROUP, GGUFCheckpoint, is_gguf
+from ._gguf import INT4_GROUP, Q8_0_GROUP, GGUFCheckpoint, is_gguf
 from ._layout import HFTensor, hf_layout
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -169,13 +177,20 @@ def _load_dtype(leaf, dtype):
     return dtype if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf.dtype
 
 
-def _quantized_as(bits: int, scheme, group_size: int, modules: list[str], embedding_group):
-    """The transformation that quantizes a skeleton's linear layers `modules` (if any)
-    and, when `embedding_group` is set, its token embeddings in groups of that size."""
+def _linears_named(model, names: list[str]) -> list[tuple[str, ...]]:
+    """The paths of `model`'s `Linear` layers whose field name is one of `names`."""
+    return module_paths(model, lambda name, module: isinstance(module, Linear) and name in names)
+
+
+def _quantized_as(parts: list[tuple[str, int | None, list[str]]], embedding_group):
+    """The transformation that quantizes a skeleton's linear layers, for each
+    `(scheme, group_size, modules)` of `parts` the layers named `modules` (if any), and,
+    when `embedding_group` is set, its token embeddings in groups of that size."""
 
     def transform(model):
-        if modules:
-            model = quantize(model, bits, scheme=scheme, group_size=group_size, targets=modules)
+        for scheme, group_size, modules in parts:
+            if paths := _linears_named(model, modules):
+                model = quantize_linears(model, paths, scheme, group_size, None, False)
         return model if embedding_group is None else with_int8_embeddings(model, embedding_group)
 
     return transform
@@ -191,26 +206,26 @@ def _quantization(path: Path, hf: dict):
             f"{path / 'config.json'}: quantization {config.get('quant_method')!r} is not "
             f"supported; eqdel reads its own ({QUANT_METHOD!r}) and float checkpoints."
         )
-    return _quantized_as(
-        config["bits"],
-        config.get("scheme"),
-        config.get("group_size") or 64,
-        config["modules"],
-        config.get("embedding_group_size"),
-    )
+    bits, scheme, group_size = config["bits"], config.get("scheme"), config.get("group_size")
+    if group_size is None and bits == 4:
+        group_size = GROUP_SIZE
+    parts = [(checked_scheme(bits, scheme, group_size), group_size, config["modules"])]
+    return _quantized_as(parts, config.get("embedding_group_size"))
 
 
 def _gguf_kept(path: Path, reader: GGUFCheckpoint):
     """The transformation that gives the skeleton int4 layers where a GGUF file stores
-    Q4_0 / Q4_1 blocks, and int8 embeddings where it stores them as Q8_0."""
-    modules, embedding_group = reader.int4_modules, reader.embedding_group
-    if not modules and embedding_group is None:
+    Q4_0 / Q4_1 blocks, int8 layers in groups of 32 where it stores Q8_0 blocks, and
+    int8 embeddings where it stores them as Q8_0."""
+    int4, int8, embedding_group = reader.int4_modules, reader.int8_modules, reader.embedding_group
+    if not int4 and not int8 and embedding_group is None:
         warnings.warn(
-            f"{path.name} stores no decoder linear layer as Q4_0 or Q4_1 in every layer and "
-            "no Q8_0 token embeddings; it loads as float.",
+            f"{path.name} stores no decoder linear layer as Q4_0, Q4_1 or Q8_0 in every "
+            "layer and no Q8_0 token embeddings; it loads as float.",
             stacklevel=3,
         )
-    return _quantized_as(4, "int4", INT4_GROUP, modules, embedding_group)
+    parts = [("int4", INT4_GROUP, int4), ("int8", Q8_0_GROUP, int8)]
+    return _quantized_as(parts, embedding_group)
 
 
 def _loader(tensor: HFTensor, reader, dtype, shape: tuple[int, ...]):
@@ -260,12 +275,14 @@ def from_pretrained(
     - `progress`: show a progress bar.
     - `keep_quantized`: for a GGUF file, keep the decoder's linear layers that are
         stored as Q4_0 or Q4_1 blocks (in every layer) as [`eqdel.Int4Linear`][] with
-        groups of 32, and token embeddings stored as Q8_0 blocks as an
-        [`eqdel.Int8Embedding`][] with groups of 32: the codes as stored, the float16
-        scales and offsets in `dtype`. The model computes what the dequantised float one
-        does; 4-bit codes take an eighth of float32's bytes and int8 codes a quarter,
-        float32 scales and offsets a sixteenth more (a thirty-second for int8). Other
-        layers load as float.
+        groups of 32, those stored as Q8_0 blocks (in every layer) as
+        [`eqdel.Int8Linear`][] with groups of 32, and token embeddings stored as Q8_0
+        blocks as an [`eqdel.Int8Embedding`][] with groups of 32: the codes as stored,
+        the float16 scales and offsets in `dtype`. The model computes what the
+        dequantised float one does; 4-bit codes take an eighth of float32's bytes and
+        int8 codes a quarter, float32 scales and offsets a sixteenth more (a
+        thirty-second for int8). Other layers load as float. A file that mixes Q4 and
+        Q8_0 layers loads both kinds, but `save_pretrained` saves one kind only.
     - `**config_overrides`: config fields to set, such as `scan_layers=False`.
 
     **Returns:**

@@ -146,14 +146,17 @@ def dense(
 def int8(
     rows: Float[Array, "rows in_features"],
     codes: Int8[Array, "in_features out_features"],
-    scales: Float[Array, " out_features"],
+    scales: Float[Array, " out_features"] | Float[Array, "groups out_features"],
+    group_size: int | None,
     reference,
 ) -> Float[Array, "rows out_features"]:
-    """`rows @ (codes * scales)`, differentiated as `reference(rows, codes, scales)`."""
+    """`rows @ (codes * scales)`, with one scale per output (`group_size` `None`) or per
+    `group_size` inputs of an output, differentiated as `reference(rows, codes, scales)`."""
 
     def kernel(rows, codes, scales):
         scales = scales.astype(jnp.float32)
-        return _call("eqdel_few_rows_int8", rows, codes.shape[1], codes, scales)
+        target = "eqdel_few_rows_int8"
+        return _call(target, rows, codes.shape[1], codes, scales, group=group_size or 0)
 
     return _with_reference_gradient(kernel, reference)(rows, codes, scales)
 

@@ -203,6 +203,19 @@ struct S8Rows {
   void prefetch(int64_t i, int64_t c) const { __builtin_prefetch(w + i * out + c); }
 };
 
+// Int8 codes with one scale per `group` inputs of each output, scales stored [groups, out].
+struct S8GroupRows {
+  const int8_t* w;
+  const float* scales;
+  int64_t out, group;
+  v16 vec(int64_t i, int64_t c) const {
+    return __builtin_convertvector(widen(w + i * out + c), v16) *
+           load<v16>(scales + i / group * out + c);
+  }
+  float at(int64_t i, int64_t c) const { return float(w[i * out + c]) * scales[i / group * out + c]; }
+  void prefetch(int64_t i, int64_t c) const { __builtin_prefetch(w + i * out + c); }
+};
+
 // acc[r, c - c0] += sum over i in [i0, i1) of x[r, i] w[i, c], four inputs at a time,
 // each weight row read front to back.
 template <class W>
@@ -454,13 +467,20 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// Int8Linear: scales [out] (one per output, `group` 0) or [groups, out] (one per `group`
+// inputs of each output).
 ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> codes,
-                    ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y, int64_t group) {
   const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t out = y->dimensions()[1];
   if (auto e = check_rows(rows); e.failure()) return e;
-  dense(pool, x.typed_data(), rows, in, out, S8Rows{codes.typed_data(), out},
-        scales.typed_data(), y->typed_data());
+  if (group > 0) {
+    S8GroupRows w{codes.typed_data(), scales.typed_data(), out, group};
+    dense(pool, x.typed_data(), rows, in, out, w, nullptr, y->typed_data());
+  } else {
+    dense(pool, x.typed_data(), rows, in, out, S8Rows{codes.typed_data(), out},
+          scales.typed_data(), y->typed_data());
+  }
   return ffi::Error::Success();
 }
 
@@ -540,7 +560,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsInt8, Int8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsInt8Transposed, Int8TransposedImpl,
                               ffi::Ffi::Bind()
