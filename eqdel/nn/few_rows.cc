@@ -257,15 +257,18 @@ void dense(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int6
 }
 
 // Weights stored [out, in] (a tied embedding table): y[r, o] = sum_i x[r, i] w[o, i] for
-// R rows and O outputs at once, one vector of partial sums for each pair.
-template <int R, int O, class Vec, class At>
+// R rows and O outputs at once, one vector of partial sums for each pair. With more than
+// two rows, the next O outputs' weights are fetched ahead (`ahead(o, i)` prefetches).
+template <int R, int O, class Vec, class At, class Ahead>
 void transposed_block(const float* x, int64_t in, int64_t o, const Vec& vec, const At& at,
-                      float* y, int64_t out) {
+                      const Ahead& ahead, float* y, int64_t out) {
   v16 acc[R][O] = {};
   int64_t i = 0;
   for (; i + kLanes <= in; i += kLanes) {
     v16 wv[O];
     for (int p = 0; p < O; ++p) wv[p] = vec(o + p, i);
+    if constexpr (R > 2)
+      for (int p = 0; p < O; ++p) ahead(o + O + p, i);
     for (int r = 0; r < R; ++r) {
       const v16 xv = load<v16>(x + r * in + i);
       for (int p = 0; p < O; ++p) acc[r][p] += xv * wv[p];
@@ -279,37 +282,44 @@ void transposed_block(const float* x, int64_t in, int64_t o, const Vec& vec, con
     }
 }
 
-template <int O, class Vec, class At>
-void transposed_rows(const float* x, int64_t rows, int64_t in, int64_t o, const Vec& vec,
-                     const At& at, float* y, int64_t out) {
-  for (int64_t r = 0; r < rows; r += 4) {
-    const float* xr = x + r * in;
-    float* yr = y + r * out;
-    switch (std::min<int64_t>(4, rows - r)) {
-      case 1: transposed_block<1, O>(xr, in, o, vec, at, yr, out); break;
-      case 2: transposed_block<2, O>(xr, in, o, vec, at, yr, out); break;
-      case 3: transposed_block<3, O>(xr, in, o, vec, at, yr, out); break;
-      default: transposed_block<4, O>(xr, in, o, vec, at, yr, out); break;
-    }
-  }
+// transposed_block for the R rows at x, R from 1 to B.
+template <int B, int O, class Vec, class At, class Ahead>
+void transposed_block_of(int64_t r, const float* x, int64_t in, int64_t o, const Vec& vec,
+                         const At& at, const Ahead& ahead, float* y, int64_t out) {
+  if (r == B) return transposed_block<B, O>(x, in, o, vec, at, ahead, y, out);
+  if constexpr (B > 1) transposed_block_of<B - 1, O>(r, x, in, o, vec, at, ahead, y, out);
 }
 
-template <class Vec, class At>
+// Every row against outputs [o, o + O), B rows at a time.
+template <int B, int O, class Vec, class At, class Ahead>
+void transposed_rows(const float* x, int64_t rows, int64_t in, int64_t o, const Vec& vec,
+                     const At& at, const Ahead& ahead, float* y, int64_t out) {
+  for (int64_t r = 0; r < rows; r += B)
+    transposed_block_of<B, O>(std::min<int64_t>(B, rows - r), x + r * in, in, o, vec, at, ahead,
+                              y + r * out, out);
+}
+
+// `ahead(o, i)` prefetches the weights of output o from input i on; it may be given
+// outputs past the last (a prefetch does not fault).
+template <class Vec, class At, class Ahead>
 void transposed(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int64_t out,
-                const Vec& vec, const At& at, float* y) {
+                const Vec& vec, const At& at, const Ahead& ahead, float* y) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t per = std::max<int64_t>(64, (out + 16 * threads - 1) / (16 * threads)) / 8 * 8;
   const int64_t tasks = (out + per - 1) / per;
-  // Eight outputs at a time for one or two rows; more rows take four, so that the
-  // partial sums and the weight vectors stay in registers.
-  const bool eight = rows <= 2;
+  // Eight outputs at a time for one or two rows, four for three or four rows, and two
+  // for more (eight rows at a time, so that a weight vector converted once serves eight
+  // rows): the partial sums and the weight vectors stay in registers.
   parallel_for(pool, tasks, [&](int64_t t) {
     int64_t o = t * per;
     const int64_t end = std::min(out, o + per);
-    if (eight)
-      for (; o + 8 <= end; o += 8) transposed_rows<8>(x, rows, in, o, vec, at, y, out);
-    for (; o + 4 <= end; o += 4) transposed_rows<4>(x, rows, in, o, vec, at, y, out);
-    for (; o < end; ++o) transposed_rows<1>(x, rows, in, o, vec, at, y, out);
+    if (rows <= 2)
+      for (; o + 8 <= end; o += 8) transposed_rows<2, 8>(x, rows, in, o, vec, at, ahead, y, out);
+    else if (rows <= 4)
+      for (; o + 4 <= end; o += 4) transposed_rows<4, 4>(x, rows, in, o, vec, at, ahead, y, out);
+    else
+      for (; o + 2 <= end; o += 2) transposed_rows<8, 2>(x, rows, in, o, vec, at, ahead, y, out);
+    for (; o < end; ++o) transposed_rows<8, 1>(x, rows, in, o, vec, at, ahead, y, out);
   });
 }
 
@@ -440,7 +450,8 @@ ffi::Error F32Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     transposed(
         pool, x.typed_data(), rows, in, out,
         [=](int64_t o, int64_t i) { return load<v16>(wd + o * in + i); },
-        [=](int64_t o, int64_t i) { return wd[o * in + i]; }, y->typed_data());
+        [=](int64_t o, int64_t i) { return wd[o * in + i]; },
+        [=](int64_t o, int64_t i) { __builtin_prefetch(wd + o * in + i); }, y->typed_data());
   } else {
     dense(pool, x.typed_data(), rows, in, out, F32Rows{wd, out}, nullptr, y->typed_data());
   }
@@ -460,7 +471,8 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
           v16u wide = __builtin_convertvector(load<v16u16>(wd + o * in + i), v16u) << 16;
           return (v16)wide;
         },
-        [=](int64_t o, int64_t i) { return bf16_to_float(wd[o * in + i]); }, y->typed_data());
+        [=](int64_t o, int64_t i) { return bf16_to_float(wd[o * in + i]); },
+        [=](int64_t o, int64_t i) { __builtin_prefetch(wd + o * in + i); }, y->typed_data());
   } else {
     dense(pool, x.typed_data(), rows, in, out, BF16Rows{wd, out}, nullptr, y->typed_data());
   }
@@ -509,7 +521,7 @@ ffi::Error Int8TransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         return w * lanes;
       },
       [=](int64_t o, int64_t i) { return float(cd[o * in + i]) * sd[o * groups + i / group]; },
-      y->typed_data());
+      [=](int64_t o, int64_t i) { __builtin_prefetch(cd + o * in + i); }, y->typed_data());
   return ffi::Error::Success();
 }
 
