@@ -186,11 +186,11 @@ def _perplexity(args) -> int:
     ids = tokenizer.encode(text_file.read_text()).ids
     described = "GGUF blocks kept quantized: " if args.keep_quantized else ""
     if args.quantize:
-        from ._quant import GROUP_SIZE, quantize
+        from ._quant import quantization_config, quantize
 
         bits = 8 if args.quantize == "int8" else 4
         model = quantize(model, bits, scheme=args.quantize, group_size=args.group_size)
-        group_size = args.group_size or (GROUP_SIZE if bits == 4 else None)
+        group_size = quantization_config(model)["group_size"]
         described = args.quantize + (f" (groups of {group_size})" if group_size else "") + ": "
     result = perplexity(model, ids, window=args.window, stride=args.stride)
     print(

@@ -656,18 +656,23 @@ def _gptq_rounded(
     return rounded
 
 
-def checked_scheme(bits: int, scheme: str | None, group_size: int | None) -> str:
-    """The scheme asked for, checked against `bits` and `group_size`."""
+def checked_request(
+    bits: int, scheme: str | None, group_size: int | None
+) -> tuple[str, int | None]:
+    """The scheme and group size asked for, checked against `bits`, with the defaults
+    filled in: the first scheme of `bits`, and `GROUP_SIZE` for 4 bits."""
     if bits not in SCHEMES:
         raise ValueError(f"bits must be 8 (int8) or 4 (NF4 or int4), not {bits}.")
     scheme = SCHEMES[bits][0] if scheme is None else scheme
+    if group_size is None and bits == 4:
+        group_size = GROUP_SIZE
     if scheme not in SCHEMES[bits]:
         raise ValueError(f"{bits}-bit quantization is one of {SCHEMES[bits]}, not {scheme!r}.")
     if group_size is not None and group_size < 1:
         raise ValueError(f"group_size must be at least 1, not {group_size}.")
     if scheme == "int4" and group_size % 2:
         raise ValueError(f"int4 group_size must be even, not {group_size}.")
-    return scheme
+    return scheme, group_size
 
 
 def quantize(
@@ -733,9 +738,7 @@ def quantize(
     `ValueError` for other `bits` or schemes, a `group_size` below 1 (or odd, for int4),
     no matching layer, or a model already quantized.
     """
-    if group_size is None and bits == 4:
-        group_size = GROUP_SIZE
-    scheme = checked_scheme(bits, scheme, group_size)
+    scheme, group_size = checked_request(bits, scheme, group_size)
     if module_paths(model, lambda _, m: isinstance(m, (*QUANTIZED, Int8Embedding))):
         raise ValueError("The model is already quantized; dequantize it first.")
 

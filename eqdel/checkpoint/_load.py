@@ -16,13 +16,7 @@ from tqdm.auto import tqdm
 from .._generation_config import GenerationConfig
 from .._paths import module_paths
 from .._placement import placements
-from .._quant import (
-    GROUP_SIZE,
-    QUANT_METHOD,
-    checked_scheme,
-    quantize_linears,
-    with_int8_embeddings,
-)
+from .._quant import QUANT_METHOD, checked_request, quantize_linears, with_int8_embeddings
 from .._sharding_config import ShardingConfig
 from ..models import config_class
 from ..models._registry import MODEL_TYPES
@@ -206,10 +200,8 @@ def _quantization(path: Path, hf: dict):
             f"{path / 'config.json'}: quantization {config.get('quant_method')!r} is not "
             f"supported; eqdel reads its own ({QUANT_METHOD!r}) and float checkpoints."
         )
-    bits, scheme, group_size = config["bits"], config.get("scheme"), config.get("group_size")
-    if group_size is None and bits == 4:
-        group_size = GROUP_SIZE
-    parts = [(checked_scheme(bits, scheme, group_size), group_size, config["modules"])]
+    request = checked_request(config["bits"], config.get("scheme"), config.get("group_size"))
+    parts = [(*request, config["modules"])]
     return _quantized_as(parts, config.get("embedding_group_size"))
 
 

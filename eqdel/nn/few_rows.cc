@@ -212,7 +212,9 @@ struct S8GroupRows {
     return __builtin_convertvector(widen(w + i * out + c), v16) *
            load<v16>(scales + i / group * out + c);
   }
-  float at(int64_t i, int64_t c) const { return float(w[i * out + c]) * scales[i / group * out + c]; }
+  float at(int64_t i, int64_t c) const {
+    return float(w[i * out + c]) * scales[i / group * out + c];
+  }
   void prefetch(int64_t i, int64_t c) const { __builtin_prefetch(w + i * out + c); }
 };
 
