@@ -108,7 +108,8 @@ def _transposed(matrix: Float[Array, "n n"]) -> Float[Array, "n n"]:
 def gptq_round(
     weight: Float[Array, "*layers in_features out_features"],
     gram: Float[Array, "*layers in_features in_features"],
-    scales: Float[Array, "*layers in_features out_features"] | tuple[Array, ...],
+    scales: Float[Array, "*layers groups out_features"] | tuple[Array, ...],
+    group_size: int,
     fake_quantize: Callable,
 ) -> Float[Array, "*layers in_features out_features"]:
     """Rounds one input row of `weight` at a time, most active inputs first, and spreads
@@ -120,10 +121,12 @@ def gptq_round(
     - `weight`: the float weight (leading dimensions are rounded independently).
     - `gram`: `Σ xᵀx` of the layer's calibration inputs. Inputs never seen (a zero
         diagonal) are rounded to nearest.
-    - `scales`: the scale of every weight, fixed before rounding; or a tuple of such
-        arrays (a scale and an offset).
+    - `scales`: the scales of every block of `group_size` inputs, fixed before
+        rounding; or a tuple of such arrays (a scale and an offset).
+    - `group_size`: inputs per row of `scales` (`in_features` for one scale per
+        output).
     - `fake_quantize`: `(values, scales) -> the nearest representable values`, given a
-        row of weights and the same row of `scales`.
+        row of weights and its row of `scales`.
 
     **Returns:**
 
@@ -134,8 +137,8 @@ def gptq_round(
 
     def one(weight, gram, scales):
         diagonal = jnp.diagonal(gram)
-        gram = gram + jnp.diag(jnp.where(diagonal == 0, 1.0, 0.0))
-        order = jnp.argsort(-jnp.diagonal(gram))
+        seen = jnp.where(diagonal == 0, 1.0, diagonal)  # an input never seen: a unit one
+        order = jnp.argsort(-seen)
         # GPTQ moves the rounding error of input `i` onto each later input `j` in
         # proportion to `U_ij / U_ii`, with `Uᵀ U = H⁻¹` (H the damped Hessian in rounding
         # order, U upper triangular). Equivalently, input `j` rounds from
@@ -144,17 +147,18 @@ def gptq_round(
         # factorisation gives it, with no inverse (on SmolLM2's 30 down projections,
         # 1.1 s instead of 1.7 s).
         reverse = order[::-1]
-        reversed_hessian = gram[reverse].T[reverse]  # the gram is symmetric
-        damping = GPTQ_DAMPING * jnp.mean(jnp.diagonal(gram))
+        damping = GPTQ_DAMPING * jnp.mean(seen)
+        # The gram is symmetric. Unit diagonals for unseen inputs and the damping are
+        # added in the same pass as the reordering.
+        added = (seen - diagonal + damping)[reverse]
+        reversed_hessian = gram[reverse].T[reverse] + jnp.diag(added)
         # Transposed, the factor is what LAPACK writes: its rows are the columns read.
         reversed_factor_t = _transposed(
-            jax.lax.linalg.cholesky(
-                reversed_hessian + damping * jnp.eye(n_in), symmetrize_input=False
-            )
+            jax.lax.linalg.cholesky(reversed_hessian, symmetrize_input=False)
         )
         pivots = jnp.diagonal(reversed_factor_t)[::-1]
         weight = weight[order]
-        scales = jax.tree.map(lambda a: a[order], scales)
+        groups = order // group_size
         block = _block_size(n_in)
 
         def round_block(b, carry):
@@ -164,9 +168,8 @@ def gptq_round(
             errors, rounded = carry
             start = b * block
             rows = jax.lax.dynamic_slice_in_dim(weight, start, block)
-            row_scales = jax.tree.map(
-                lambda a: jax.lax.dynamic_slice_in_dim(a, start, block), scales
-            )
+            block_groups = jax.lax.dynamic_slice_in_dim(groups, start, block)
+            row_scales = jax.tree.map(lambda a: a[block_groups], scales)
             factor_rows = jax.lax.dynamic_slice_in_dim(
                 reversed_factor_t, n_in - start - block, block
             )
@@ -197,6 +200,6 @@ def gptq_round(
     flat = jax.vmap(one)(
         weight.reshape(-1, n_in, n_out).astype(jnp.float32),
         gram.reshape(-1, n_in, n_in),
-        jax.tree.map(lambda a: a.reshape(-1, n_in, n_out).astype(jnp.float32), scales),
+        jax.tree.map(lambda a: a.reshape(-1, *a.shape[-2:]).astype(jnp.float32), scales),
     )
     return flat.reshape(weight.shape)

@@ -580,21 +580,20 @@ def _fixed_scales(
     gram: Float[Array, "*layers in_features in_features"] | None,
 ):
     """The scales a layer rounds against, in its weight's dtype (a scale and an offset
-    for int4), and the same as float32 for every weight. NF4 fits its block scales
-    weighting each input by its calibration activations' mean square, from `gram`."""
-    w, dtype, n_in = weight.astype(jnp.float32), weight.dtype, weight.shape[-2]
-    if scheme == "int8" and group_size is None:
-        scales = int8_scales(w).astype(dtype)
-        return scales, jnp.broadcast_to(scales.astype(jnp.float32)[..., None, :], w.shape)
+    for int4), and the same as float32 blocks `[*layers, groups, out_features]` (one
+    block of all inputs for int8 per channel). NF4 fits its block scales weighting each
+    input by its calibration activations' mean square, from `gram`."""
+    w, dtype = weight.astype(jnp.float32), weight.dtype
     if scheme == "int8":
         scales = int8_scales(w, group_size).astype(dtype)
-        return scales, per_input(scales.astype(jnp.float32), group_size, n_in)
+        blocks = scales if group_size else scales[..., None, :]
+        return scales, blocks.astype(jnp.float32)
     if scheme == "nf4":
         importance = None if gram is None else jnp.diagonal(gram, axis1=-2, axis2=-1)
         scales = fitted_nf4_scales(w, group_size, importance).astype(dtype)
-        return scales, per_input(scales.astype(jnp.float32), group_size, n_in)
+        return scales, scales.astype(jnp.float32)
     ranges = tuple(a.astype(dtype) for a in int4_ranges(w, group_size))
-    return ranges, tuple(per_input(a.astype(jnp.float32), group_size, n_in) for a in ranges)
+    return ranges, tuple(a.astype(jnp.float32) for a in ranges)
 
 
 @eqx.filter_jit
@@ -626,20 +625,28 @@ def _same_inputs(layers: list[Linear], grams: list[Array]) -> list[list[int]]:
 
 
 @eqx.filter_jit
-def _gptq_round_together(weights: list[Array], gram: Array, per_weight: list, nearest):
+def _gptq_round_together(
+    weights: list[Array], gram: Array, blocks: list, group_size: int, nearest
+) -> list[Array]:
     """GPTQ on layers that read the same inputs, side by side as one wider layer: they
     share one Hessian, so one factorisation and one pass over the inputs serve all."""
     joined = jnp.concatenate([w.astype(jnp.float32) for w in weights], axis=-1)
-    scales = jax.tree.map(lambda *a: jnp.concatenate(a, -1), *per_weight)
+    scales = jax.tree.map(lambda *a: jnp.concatenate(a, -1), *blocks)
     splits = np.cumsum([w.shape[-1] for w in weights])[:-1].tolist()
-    return jnp.split(gptq_round(joined, gram, scales, nearest), splits, axis=-1)
+    rounded = gptq_round(joined, gram, scales, group_size, nearest)
+    return jnp.split(rounded, splits, axis=-1)
 
 
 def _gptq_rounded(
-    layers: list[Linear], grams: list[Array], per_weight: Sequence, nearest, progress: bool
+    layers: list[Linear],
+    grams: list[Array],
+    blocks: Sequence,
+    group_size: int | None,
+    nearest,
+    progress: bool,
 ) -> list[Linear]:
-    """The layers with their weights rounded by GPTQ, those that read the same inputs
-    together."""
+    """The layers with their weights rounded by GPTQ against their block scales, those
+    that read the same inputs together."""
     rounded = list(layers)
     for group in tqdm(_same_inputs(layers, grams), disable=not progress, unit="layer group"):
         weights = [layers[i].weight for i in group]
@@ -647,10 +654,10 @@ def _gptq_rounded(
         everywhere = weights[0].sharding
         if isinstance(everywhere, NamedSharding):
             everywhere = NamedSharding(everywhere.mesh, PartitionSpec())
-        inputs = jax.device_put(
-            (weights, grams[group[0]], [per_weight[i] for i in group]), everywhere
-        )
-        for i, w, part in zip(group, weights, _gptq_round_together(*inputs, nearest)):
+        inputs = jax.device_put((weights, grams[group[0]], [blocks[i] for i in group]), everywhere)
+        inputs_per_scale = group_size or weights[0].shape[-2]
+        parts = _gptq_round_together(*inputs, inputs_per_scale, nearest)
+        for i, w, part in zip(group, weights, parts):
             part = jax.device_put(part, w.sharding)
             rounded[i] = eqx.tree_at(lambda m: m.weight, layers[i], part)
     return rounded
@@ -776,11 +783,11 @@ def quantize_linears(
                 stacklevel=3,
             )
     grams = [None] * len(paths) if calibration is None else input_grams(model, paths, calibration)
-    scales, per_weight = zip(
+    scales, blocks = zip(
         *(_fixed_scales(layer.weight, scheme, group_size, g) for layer, g in zip(layers, grams))
     )
     if calibration is not None:
-        layers = _gptq_rounded(layers, grams, per_weight, NEAREST[scheme], progress)
+        layers = _gptq_rounded(layers, grams, blocks, group_size, NEAREST[scheme], progress)
     replaced = [_built(layer, scheme, group_size, s) for layer, s in zip(layers, scales)]
     return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, replaced)
 

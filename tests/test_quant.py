@@ -159,22 +159,22 @@ def test_gptq_rounding_lowers_output_error_and_stays_on_the_grid(scheme):
     layer = Linear(64, 32, axes=(None, None), key=jax.random.key(1))
     if scheme == "int8":
         nearest = eqdel.Int8Linear(layer)
-        scales = jnp.broadcast_to(nearest.scales[None, :], (64, 32))
+        scales, group_size = nearest.scales[None, :], 64
         values, build = int8_values, lambda lin: eqdel.Int8Linear(lin, nearest.scales)
     elif scheme == "int8 in groups":
         nearest = eqdel.Int8Linear(layer, group_size=16)
-        scales = per_input(nearest.scales, 16, 64)
+        scales, group_size = nearest.scales, 16
         values, build = int8_values, lambda lin: eqdel.Int8Linear(lin, nearest.scales, 16)
     elif scheme == "int4":
         nearest = eqdel.Int4Linear(layer, 16)
         ranges = (nearest.scales, nearest.offsets)
-        scales = tuple(per_input(a, 16, 64) for a in ranges)
+        scales, group_size = ranges, 16
         values, build = int4_values, lambda lin: eqdel.Int4Linear(lin, 16, ranges)
     else:
         nearest = eqdel.NF4Linear(layer, 16)
-        scales = per_input(nearest.scales, 16, 64)
+        scales, group_size = nearest.scales, 16
         values, build = nf4_values, lambda lin: eqdel.NF4Linear(lin, 16, nearest.scales)
-    rounded = gptq_round(layer.weight, x.T @ x, scales, values)
+    rounded = gptq_round(layer.weight, x.T @ x, scales, group_size, values)
     again = build(eqx.tree_at(lambda m: m.weight, layer, rounded))
     # On the grid: rounding again gives every value back (int4's `code * scale + offset`
     # may round differently where it is fused into one multiply-add: by 1e-8, where codes
@@ -204,15 +204,16 @@ def _gptq_one_row_at_a_time(weight, gram, scales, values, damping=GPTQ_DAMPING):
     return rounded[np.argsort(order)]
 
 
-@pytest.mark.parametrize("n_in", [256, 300, 257])  # blocks of 128, of 100, of one row
+@pytest.mark.parametrize("n_in", [256, 300, 257])  # blocks of 32, of 30, of one row
 def test_gptq_in_blocks_equals_one_row_at_a_time(n_in):
     rng = np.random.RandomState(1)
     x = rng.randn(4 * n_in, n_in) @ (rng.randn(n_in, n_in) * rng.exponential(1.0, n_in))
     gram = jnp.asarray(x.T @ x, jnp.float32)
     weight = jnp.asarray(rng.randn(n_in, 24) * 0.05, jnp.float32)
-    scales = jnp.broadcast_to(int8_scales(weight)[None, :], weight.shape)
-    ours = np.asarray(gptq_round(weight, gram, scales, int8_values))
-    reference = _gptq_one_row_at_a_time(weight, gram, scales, int8_values)
+    scales = int8_scales(weight)[None, :]
+    ours = np.asarray(gptq_round(weight, gram, scales, n_in, int8_values))
+    per_weight = jnp.broadcast_to(scales, weight.shape)
+    reference = _gptq_one_row_at_a_time(weight, gram, per_weight, int8_values)
     # The same rounding, but for the rare value float32 leaves within rounding of a tie.
     assert np.mean(ours == reference) > 0.995
     error = lambda w: np.linalg.norm(x @ (w - np.asarray(weight)))  # noqa: E731
@@ -231,12 +232,8 @@ def test_gptq_rounds_layers_that_read_the_same_inputs_together(trained):
     quantized = eqdel.quantize(trained, 8, calibration=calibration, progress=False)
     for path, layer, gram in zip(paths, layers, grams):
         scales = int8_scales(layer.weight)
-        alone = gptq_round(
-            layer.weight,
-            gram,
-            jnp.broadcast_to(scales[..., None, :], layer.weight.shape),
-            int8_values,
-        )
+        n_in = layer.weight.shape[-2]
+        alone = gptq_round(layer.weight, gram, scales[..., None, :], n_in, int8_values)
         together = get_path(quantized, path).weight(jnp.float32)
         assert np.mean(np.asarray(together) == np.asarray(alone)) > 0.999, path
 
