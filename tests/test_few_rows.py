@@ -13,6 +13,8 @@ from tiny import TINY_LLAMA
 
 import eqdel
 from eqdel._quant import Int4Linear, Int8Embedding, Int8Linear, NF4Linear
+from eqdel.attention import AttentionMask, vanilla_attention
+from eqdel.attention._vanilla import _attention
 from eqdel.models import LlamaForCausalLM
 from eqdel.nn import Embedding, Linear, _few_rows
 from eqdel.nn._linear import matmul
@@ -185,6 +187,86 @@ def test_quantized_decode_reads_the_codes_and_generates_as_dequantised(monkeypat
 
     monkeypatch.setattr(_few_rows, "usable", lambda rows, weight: False)
     want = eqdel.generate(eqdel.dequantize(quantized).for_generation(), ids, **args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# (batch, tokens, heads, kv heads, head dim, slots, sliding window): a long cache at
+# batch 1 (SmolLM2's heads), several tokens and a head dimension that is not whole
+# vectors of 16, one key/value head per query head with a sliding window.
+ATTENTION_CASES = [
+    (1, 1, 9, 3, 64, 1088, 0),
+    (3, 4, 4, 2, 20, 37, 0),
+    (2, 1, 8, 8, 16, 50, 5),
+]
+
+
+def _attention_inputs(key, batch, tokens, heads, kv_heads, dim, slots, window):
+    q_key, k_key, v_key = jax.random.split(key, 3)
+    query = jax.random.normal(q_key, (batch, tokens, heads, dim), jnp.float32)
+    keys = jax.random.normal(k_key, (batch, slots, kv_heads, dim), jnp.float32)
+    values = jax.random.normal(v_key, (batch, slots, kv_heads, dim), jnp.float32)
+    # Each row's tokens sit at a different place in the cache, after a padded start;
+    # with more than one row, the last row's first token sees nothing (every slot
+    # masked), which XLA's attention allows.
+    filled = slots - tokens - jnp.arange(batch)
+    query_index = filled[:, None] + jnp.arange(tokens)[None, :]
+    key_index = jnp.broadcast_to(jnp.arange(slots), (batch, slots))
+    key_valid = (key_index >= 3) & (key_index <= query_index[:, -1:])
+    if batch > 1:
+        key_valid = key_valid.at[-1, : filled[-1] + 1].set(False)
+    mask = AttentionMask(query_index, key_index, key_valid, window)
+    return query, keys, values, mask
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_decode_attention_on_the_cache_as_stored_gives_xlas(getkey, case):
+    query, keys, values, mask = _attention_inputs(getkey(), *case)
+
+    def attend(query, keys, values):
+        return vanilla_attention(query, keys, values, mask, scale=0.3)
+
+    assert "eqdel_attention" in str(jax.make_jaxpr(attend)(query, keys, values))
+    got = jax.jit(attend)(query, keys, values)
+    want = jax.jit(functools.partial(_attention, mask=mask, scale=0.3))(query, keys, values)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+    cotangent = jax.random.normal(getkey(), query.shape, jnp.float32)
+
+    def loss(fn, *operands):
+        return jnp.sum(fn(*operands) * cotangent)
+
+    got = jax.grad(functools.partial(loss, attend), argnums=(0, 1, 2))(query, keys, values)
+    reference = functools.partial(_attention, mask=mask, scale=0.3)
+    want = jax.grad(functools.partial(loss, reference), argnums=(0, 1, 2))(query, keys, values)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_the_kernel_does_not_take_stays_with_xla(getkey):
+    query, keys, values, mask = _attention_inputs(getkey(), 1, 5, 4, 2, 16, 20, 0)
+    for q, k, v, cap in [
+        (query, keys, values, None),  # more tokens than a decode step
+        (query[:, :1], keys, values, 30.0),  # a soft cap
+        (query[:, :1], keys.astype(jnp.bfloat16), values.astype(jnp.bfloat16), None),
+    ]:
+        part = AttentionMask(mask.query_index[:, : q.shape[1]], mask.key_index, mask.key_valid)
+        fn = functools.partial(vanilla_attention, mask=part, scale=0.3, soft_cap=cap)
+        assert "eqdel_attention" not in str(jax.make_jaxpr(fn)(q, k, v))
+
+
+def test_float32_decode_attends_through_the_kernel_with_xlas_tokens(monkeypatch):
+    model = LlamaForCausalLM(TINY_LLAMA, key=jax.random.key(3)).for_generation()
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, 5)), jnp.int32)
+    args = dict(max_new_tokens=8, eos_token_id=[])
+    arrays, static = eqx.partition(model, eqx.is_array)
+
+    def decode(arrays, ids):
+        return eqdel.generate(eqx.combine(arrays, static), ids, **args)
+
+    assert "eqdel_attention" in jax.jit(decode).lower(arrays, ids).compile().as_text()
+    got = eqdel.generate(model, ids, **args)
+    monkeypatch.setattr(_few_rows, "attention_usable", lambda *args: False)
+    want = eqdel.generate(model, ids, **args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

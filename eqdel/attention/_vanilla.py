@@ -32,6 +32,22 @@ def vanilla_attention(
 
     The attention output, in `query`'s dtype. Softmax runs in float32.
     """
+    from ..nn import _few_rows  # eqdel.nn imports this package
+
+    if _few_rows.attention_usable(query, key, soft_cap):
+        # A decode step: the CPU kernel reads the cache as stored, where XLA transposes
+        # every layer's whole cache first.
+        def reference(query, key, value):
+            return _attention(query, key, value, mask, scale=scale, soft_cap=soft_cap)
+
+        allowed = mask.dense()
+        return _few_rows.attention(
+            query, key, value, allowed, scale, DEFAULT_MASK_VALUE, reference
+        )
+    return _attention(query, key, value, mask, scale=scale, soft_cap=soft_cap)
+
+
+def _attention(query, key, value, mask: AttentionMask, *, scale: float, soft_cap=None):
     batch, q_len, heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     group = heads // kv_heads

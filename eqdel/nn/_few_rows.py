@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int8, UInt8
+from jaxtyping import Array, Bool, Float, Int8, UInt8
 
 MAX_ROWS = 16
 """The most rows a product may have to run through a kernel."""
@@ -37,6 +37,7 @@ _TARGETS = {
     "eqdel_few_rows_int8_transposed": "EqdelFewRowsInt8Transposed",
     "eqdel_few_rows_int4": "EqdelFewRowsInt4",
     "eqdel_few_rows_nf4": "EqdelFewRowsNF4",
+    "eqdel_attention": "EqdelAttention",
 }
 
 
@@ -231,3 +232,41 @@ def nf4(
         )
 
     return _with_reference_gradient(kernel, reference)(rows, codes, scales)
+
+
+ATTENTION_TOKENS = 4
+"""The most query tokens per sequence an attention call may have to run through the
+kernel (a decode step has one)."""
+
+
+def attention_usable(query: Array, key: Array, soft_cap: float | None) -> bool:
+    """Whether attention of `query` over `key` may run through the kernel: float32
+    queries of at most `ATTENTION_TOKENS` tokens, a float32 cache (with a bfloat16 cache
+    the kernel was slower than XLA), no soft cap, and compiled kernels."""
+    return (
+        query.ndim == 4
+        and query.shape[1] <= ATTENTION_TOKENS
+        and query.dtype == key.dtype == jnp.float32
+        and soft_cap is None
+        and available()
+    )
+
+
+def attention(
+    query: Float[Array, "batch q_len heads head_dim"],
+    key: Float[Array, "batch kv_len kv_heads head_dim"],
+    value: Float[Array, "batch kv_len kv_heads head_dim"],
+    allowed: Bool[Array, "batch q_len kv_len"],
+    scale: float,
+    masked: float,
+    reference,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """Grouped-query attention on a float32 cache as stored: masked scores become
+    `masked`, softmax in float32, differentiated as `reference(query, key, value)`."""
+
+    def kernel(query, key, value):
+        result = jax.ShapeDtypeStruct(query.shape, jnp.float32)
+        call = jax.ffi.ffi_call("eqdel_attention", result, vmap_method="sequential")
+        return call(query, allowed, key, value, scale=np.float32(scale), masked=np.float32(masked))
+
+    return _with_reference_gradient(kernel, reference)(query, key, value)

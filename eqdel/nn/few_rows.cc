@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -550,6 +551,82 @@ ffi::Error NF4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// A decode step's attention on a float32 key/value cache as stored, `[batch, length,
+// kv_heads, head_dim]` (XLA transposes every layer's whole cache to `[batch, kv_heads,
+// length, head_dim]` first). One task per sequence and key/value head: the scores of its
+// group of query heads (for every token) against each slot, one read of each key
+// vector; a softmax in float32; the weighted sum of the values, one read of each value
+// vector. Masked slots score `masked`, as XLA's attention does.
+void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const float* k,
+            const float* v, int64_t batch, int64_t tokens, int64_t heads, int64_t length,
+            int64_t kv_heads, int64_t dim, float scale, float masked, float* out) {
+  const int64_t group = heads / kv_heads, queries = group * tokens;
+  parallel_for(pool, batch * kv_heads, [&](int64_t task) {
+    const int64_t b = task / kv_heads, h = task % kv_heads;
+    // Each thread keeps its scratch between calls.
+    thread_local std::vector<float> scores, sums;
+    scores.resize(queries * length);
+    sums.assign(queries * dim, 0.0f);
+    // Query r is token r / group of query head h * group + r % group.
+    auto at = [&](int64_t r) {
+      return ((b * tokens + r / group) * heads + h * group + r % group) * dim;
+    };
+    auto slot = [&](int64_t s) { return ((b * length + s) * kv_heads + h) * dim; };
+    for (int64_t s = 0; s < length; ++s) {
+      const float* key = k + slot(s);
+      if (s + kAhead < length) __builtin_prefetch(k + slot(s + kAhead));
+      for (int64_t r = 0; r < queries; ++r) {
+        float& score = scores[r * length + s];
+        if (!allowed[(b * tokens + r / group) * length + s]) {
+          score = masked;
+          continue;
+        }
+        const float* x = q + at(r);
+        v16 acc = {};
+        int64_t c = 0;
+        for (; c + kLanes <= dim; c += kLanes) acc += load<v16>(x + c) * load<v16>(key + c);
+        float sum = lane_sum(acc);
+        for (; c < dim; ++c) sum += x[c] * key[c];
+        score = sum * scale;
+      }
+    }
+    for (int64_t r = 0; r < queries; ++r) {
+      float* row = &scores[r * length];
+      const float top = *std::max_element(row, row + length);
+      float total = 0.0f;
+      for (int64_t s = 0; s < length; ++s) total += (row[s] = std::exp(row[s] - top));
+      for (int64_t s = 0; s < length; ++s) row[s] /= total;
+    }
+    for (int64_t s = 0; s < length; ++s) {
+      const float* value = v + slot(s);
+      if (s + kAhead < length) __builtin_prefetch(v + slot(s + kAhead));
+      for (int64_t r = 0; r < queries; ++r) {
+        const float p = scores[r * length + s];
+        float* sum = &sums[r * dim];
+        int64_t c = 0;
+        for (; c + kLanes <= dim; c += kLanes)
+          store(sum + c, load_acc(sum + c) + p * load<v16>(value + c));
+        for (; c < dim; ++c) sum[c] += p * value[c];
+      }
+    }
+    for (int64_t r = 0; r < queries; ++r)
+      std::memcpy(out + at(r), &sums[r * dim], dim * sizeof(float));
+  });
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                         ffi::Buffer<ffi::PRED> allowed, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out, float scale,
+                         float masked) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  const int64_t heads = qd[2], kv_heads = kd[2];
+  if (heads % kv_heads)
+    return ffi::Error::InvalidArgument("attention: heads not a multiple of kv_heads");
+  attend(pool, q.typed_data(), allowed.typed_data(), k.typed_data(), v.typed_data(), qd[0],
+         qd[1], heads, kd[1], kv_heads, qd[3], scale, masked, out->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsF32, F32Impl,
@@ -605,3 +682,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsNF4, NF4Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("masked"));
