@@ -190,11 +190,13 @@ def test_quantized_decode_reads_the_codes_and_generates_as_dequantised(monkeypat
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-# (batch, tokens, heads, kv heads, head dim, slots, sliding window): a long cache at
-# batch 1 (SmolLM2's heads), several tokens and a head dimension that is not whole
-# vectors of 16, one key/value head per query head with a sliding window.
+# (batch, tokens, heads, kv heads, head dim, slots, sliding window): long caches at
+# batch 1 (SmolLM2's heads; one key/value head), whose slots are split into spans; several
+# tokens and a head dimension that is not whole vectors of 16; one key/value head per
+# query head with a sliding window.
 ATTENTION_CASES = [
     (1, 1, 9, 3, 64, 1088, 0),
+    (1, 2, 2, 1, 32, 1000, 0),
     (3, 4, 4, 2, 20, 37, 0),
     (2, 1, 8, 8, 16, 50, 5),
 ]

@@ -553,35 +553,48 @@ ffi::Error NF4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 
 // A decode step's attention on a float32 key/value cache as stored, `[batch, length,
 // kv_heads, head_dim]` (XLA transposes every layer's whole cache to `[batch, kv_heads,
-// length, head_dim]` first). One task per sequence and key/value head: the scores of its
-// group of query heads (for every token) against each slot, one read of each key
-// vector; a softmax in float32; the weighted sum of the values, one read of each value
-// vector. Masked slots score `masked`, as XLA's attention does.
+// length, head_dim]` first). One task per sequence, key/value head and span of slots:
+// the scores of the head's group of query heads (for every token) against each slot,
+// one read of each key vector; their exponentials in float32 from the span's largest;
+// the weighted sum of the values, one read of each value vector. With fewer sequences
+// and heads than twice the threads, the slots are split into spans whose sums are then
+// combined, rescaled to the largest score of all. Masked slots score `masked`, as XLA's
+// attention does.
+constexpr int64_t kMinSpan = 256;
+
 void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const float* k,
             const float* v, int64_t batch, int64_t tokens, int64_t heads, int64_t length,
             int64_t kv_heads, int64_t dim, float scale, float masked, float* out) {
-  const int64_t group = heads / kv_heads, queries = group * tokens;
-  parallel_for(pool, batch * kv_heads, [&](int64_t task) {
-    const int64_t b = task / kv_heads, h = task % kv_heads;
+  const int64_t group = heads / kv_heads, queries = group * tokens, pairs = batch * kv_heads;
+  const int64_t wanted = (2 * pool.num_threads() + pairs - 1) / pairs;
+  const int64_t spans = std::max<int64_t>(1, std::min(wanted, length / kMinSpan));
+  const int64_t span = (length + spans - 1) / spans;
+  // Per task and query: the span's largest score, its sum of exponentials, and the
+  // values' sum weighted by them.
+  const int64_t stride = dim + 2;
+  std::vector<float> partial(spans > 1 ? pairs * spans * queries * stride : 0);
+  // Query r is token r / group of query head h * group + r % group.
+  auto at = [&](int64_t b, int64_t h, int64_t r) {
+    return ((b * tokens + r / group) * heads + h * group + r % group) * dim;
+  };
+  parallel_for(pool, pairs * spans, [&](int64_t task) {
+    const int64_t pair = task / spans, b = pair / kv_heads, h = pair % kv_heads;
+    const int64_t s0 = (task % spans) * span, s1 = std::min(length, s0 + span), n = s1 - s0;
     // Each thread keeps its scratch between calls.
     thread_local std::vector<float> scores, sums;
-    scores.resize(queries * length);
+    scores.resize(queries * n);
     sums.assign(queries * dim, 0.0f);
-    // Query r is token r / group of query head h * group + r % group.
-    auto at = [&](int64_t r) {
-      return ((b * tokens + r / group) * heads + h * group + r % group) * dim;
-    };
     auto slot = [&](int64_t s) { return ((b * length + s) * kv_heads + h) * dim; };
-    for (int64_t s = 0; s < length; ++s) {
+    for (int64_t s = s0; s < s1; ++s) {
       const float* key = k + slot(s);
-      if (s + kAhead < length) __builtin_prefetch(k + slot(s + kAhead));
+      if (s + kAhead < s1) __builtin_prefetch(k + slot(s + kAhead));
       for (int64_t r = 0; r < queries; ++r) {
-        float& score = scores[r * length + s];
+        float& score = scores[r * n + s - s0];
         if (!allowed[(b * tokens + r / group) * length + s]) {
           score = masked;
           continue;
         }
-        const float* x = q + at(r);
+        const float* x = q + at(b, h, r);
         v16 acc = {};
         int64_t c = 0;
         for (; c + kLanes <= dim; c += kLanes) acc += load<v16>(x + c) * load<v16>(key + c);
@@ -590,18 +603,21 @@ void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const fl
         score = sum * scale;
       }
     }
+    std::vector<float> tops(queries), totals(queries);
     for (int64_t r = 0; r < queries; ++r) {
-      float* row = &scores[r * length];
-      const float top = *std::max_element(row, row + length);
+      float* row = &scores[r * n];
+      tops[r] = *std::max_element(row, row + n);
       float total = 0.0f;
-      for (int64_t s = 0; s < length; ++s) total += (row[s] = std::exp(row[s] - top));
-      for (int64_t s = 0; s < length; ++s) row[s] /= total;
+      for (int64_t s = 0; s < n; ++s) total += (row[s] = std::exp(row[s] - tops[r]));
+      totals[r] = total;
+      if (spans == 1)
+        for (int64_t s = 0; s < n; ++s) row[s] /= total;
     }
-    for (int64_t s = 0; s < length; ++s) {
+    for (int64_t s = s0; s < s1; ++s) {
       const float* value = v + slot(s);
-      if (s + kAhead < length) __builtin_prefetch(v + slot(s + kAhead));
+      if (s + kAhead < s1) __builtin_prefetch(v + slot(s + kAhead));
       for (int64_t r = 0; r < queries; ++r) {
-        const float p = scores[r * length + s];
+        const float p = scores[r * n + s - s0];
         float* sum = &sums[r * dim];
         int64_t c = 0;
         for (; c + kLanes <= dim; c += kLanes)
@@ -609,8 +625,34 @@ void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const fl
         for (; c < dim; ++c) sum[c] += p * value[c];
       }
     }
-    for (int64_t r = 0; r < queries; ++r)
-      std::memcpy(out + at(r), &sums[r * dim], dim * sizeof(float));
+    for (int64_t r = 0; r < queries; ++r) {
+      if (spans == 1) {
+        std::memcpy(out + at(b, h, r), &sums[r * dim], dim * sizeof(float));
+        continue;
+      }
+      float* saved = &partial[(task * queries + r) * stride];
+      saved[0] = tops[r];
+      saved[1] = totals[r];
+      std::memcpy(saved + 2, &sums[r * dim], dim * sizeof(float));
+    }
+  });
+  if (spans == 1) return;
+  parallel_for(pool, pairs, [&](int64_t pair) {
+    const int64_t b = pair / kv_heads, h = pair % kv_heads;
+    for (int64_t r = 0; r < queries; ++r) {
+      auto saved = [&](int64_t i) { return &partial[((pair * spans + i) * queries + r) * stride]; };
+      float top = saved(0)[0];
+      for (int64_t i = 1; i < spans; ++i) top = std::max(top, saved(i)[0]);
+      float total = 0.0f;
+      float* o = out + at(b, h, r);
+      std::fill(o, o + dim, 0.0f);
+      for (int64_t i = 0; i < spans; ++i) {
+        const float weight = std::exp(saved(i)[0] - top);
+        total += weight * saved(i)[1];
+        for (int64_t c = 0; c < dim; ++c) o[c] += weight * saved(i)[2 + c];
+      }
+      for (int64_t c = 0; c < dim; ++c) o[c] /= total;
+    }
   });
 }
 
