@@ -199,11 +199,15 @@ class CausalLM(eqx.Module):
         **Arguments:**
 
         - `batch_size`, `max_length`: the cache's size.
-        - `dtype`: the cache dtype; the parameters' dtype by default.
+        - `dtype`: the cache dtype; by default that of the model's activations
+            ([`eqdel.nn.activation_dtype`][]): the parameters' dtype, but float32 for a
+            16-bit model on CPU, whose attention computes in float32 (there a 16-bit
+            cache decoded no faster and rounded the keys and values).
         - `quantize`: int8 storage; `config.quantize_kv_cache` by default.
         """
         c = self.config
-        dtype = self.get_input_embeddings().dtype if dtype is None else dtype
+        if dtype is None:
+            dtype = activation_dtype(self.get_input_embeddings().dtype)
         return KVCache.empty(
             c.num_hidden_layers,
             batch_size,
