@@ -48,6 +48,7 @@ def vanilla_attention(
 
 
 def _attention(query, key, value, mask: AttentionMask, *, scale: float, soft_cap=None):
+    """`vanilla_attention` in XLA's operations."""
     batch, q_len, heads, head_dim = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
     group = heads // kv_heads
