@@ -99,13 +99,22 @@ def usable(rows: Array, weight: Array) -> bool:
     )
 
 
-def _call(target: str, rows: Array, out_features: int, *operands, **attributes) -> Array:
+def _ffi(target: str, shape: tuple[int, ...], *operands, **attributes) -> Array:
+    """Kernel `target`'s float32 result of `shape`; float attributes pass as float32,
+    the others as int64."""
     if not available():
         raise RuntimeError("eqdel's CPU kernels are not available here; see `usable`.")
-    result = jax.ShapeDtypeStruct((rows.shape[0], out_features), jnp.float32)
-    attributes = {name: np.int64(value) for name, value in attributes.items()}
+    result = jax.ShapeDtypeStruct(shape, jnp.float32)
+    attributes = {
+        name: np.float32(value) if isinstance(value, float) else np.int64(value)
+        for name, value in attributes.items()
+    }
     call = jax.ffi.ffi_call(target, result, vmap_method="sequential")
-    return call(rows, *operands, **attributes)
+    return call(*operands, **attributes)
+
+
+def _call(target: str, rows: Array, out_features: int, *operands, **attributes) -> Array:
+    return _ffi(target, (rows.shape[0], out_features), rows, *operands, **attributes)
 
 
 def _with_reference_gradient(kernel, reference):
@@ -266,8 +275,8 @@ def attention(
     `masked`, softmax in float32, differentiated as `reference(query, key, value)`."""
 
     def kernel(query, key, value):
-        result = jax.ShapeDtypeStruct(query.shape, jnp.float32)
-        call = jax.ffi.ffi_call("eqdel_attention", result, vmap_method="sequential")
-        return call(query, allowed, key, value, scale=np.float32(scale), masked=np.float32(masked))
+        operands = (query, allowed, key, value)
+        attributes = dict(scale=float(scale), masked=float(masked))
+        return _ffi("eqdel_attention", query.shape, *operands, **attributes)
 
     return _with_reference_gradient(kernel, reference)(query, key, value)

@@ -582,9 +582,11 @@ void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const fl
     const int64_t pair = task / spans, b = pair / kv_heads, h = pair % kv_heads;
     const int64_t s0 = (task % spans) * span, s1 = std::min(length, s0 + span), n = s1 - s0;
     // Each thread keeps its scratch between calls.
-    thread_local std::vector<float> scores, sums;
+    thread_local std::vector<float> scores, sums, tops, totals;
     scores.resize(queries * n);
     sums.assign(queries * dim, 0.0f);
+    tops.resize(queries);
+    totals.resize(queries);
     auto slot = [&](int64_t s) { return ((b * length + s) * kv_heads + h) * dim; };
     for (int64_t s = s0; s < s1; ++s) {
       const float* key = k + slot(s);
@@ -604,7 +606,6 @@ void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const fl
         score = sum * scale;
       }
     }
-    std::vector<float> tops(queries), totals(queries);
     for (int64_t r = 0; r < queries; ++r) {
       float* row = &scores[r * n];
       tops[r] = *std::max_element(row, row + n);
