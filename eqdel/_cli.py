@@ -296,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     weights.add_argument(
         "--keep-quantized",
         action="store_true",
-        help="a GGUF file's Q4_0 / Q4_1 layers as int4 codes, and its Q8_0 layers and token "
-        "embeddings as int8 codes, not dequantised to float",
+        help="a GGUF file's Q4_0 / Q4_1 / Q4_K layers as int4 codes, and its Q8_0 / Q5_0 / "
+        "Q6_K layers and token embeddings as int8 codes, not dequantised to float",
     )
     perplexity.set_defaults(run=_perplexity)
 

@@ -57,6 +57,64 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _q4_k(rows: np.ndarray) -> np.ndarray:
+    """Q4_K blocks of `rows` (entries a multiple of 256): per 32 entries a 6-bit scale
+    and minimum times the block's float16 `d` and `dmin`, codes from 0 to 15."""
+    x = rows.reshape(-1, 8, 32).astype(np.float32)
+    low = np.minimum(x.min(-1), 0)
+    step = (x.max(-1) - low) / 15
+    d = (step.max(-1) / 63).astype(np.float16)
+    dmin = ((-low).max(-1) / 63).astype(np.float16)
+    sc = np.rint(step / np.maximum(d.astype(np.float32), 1e-30)[:, None]).astype(np.uint8)
+    mins = np.rint(-low / np.maximum(dmin.astype(np.float32), 1e-30)[:, None]).astype(np.uint8)
+    scale = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mins
+    q = np.rint((x + offset[..., None]) / np.maximum(scale, 1e-30)[..., None])
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    packed_scales = np.concatenate(
+        [
+            (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
+            (mins[:, :4] & 63) | ((mins[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((mins[:, 4:] & 15) << 4),
+        ],
+        axis=-1,
+    )
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    halves = [a.view(np.uint8).reshape(-1, 2) for a in (d, dmin)]
+    return np.concatenate([*halves, packed_scales, codes], axis=-1)
+
+
+def _q6_k(rows: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of `rows` (entries a multiple of 256): per 16 entries an int8 scale
+    times the block's float16 `d`, codes from -32 to 31 stored plus 32."""
+    x = rows.reshape(-1, 16, 16).astype(np.float32)
+    step = np.abs(x).max(-1) / 31
+    d = (step.max(-1) / 127).astype(np.float16)
+    sc = np.rint(step / np.maximum(d.astype(np.float32), 1e-30)[:, None]).astype(np.int8)
+    scale = d.astype(np.float32)[:, None] * sc
+    q = np.rint(x / np.where(scale == 0, 1, scale)[..., None])
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
+    low = (q & 15).reshape(-1, 2, 2, 64)
+    low = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(-1, 128)
+    high = q >> 4
+    high = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    return np.concatenate(
+        [low, high.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=-1
+    )
+
+
+def stored_as(array: np.ndarray, kind: str) -> np.ndarray:
+    """`array`'s rows as GGML blocks of type `kind` (bytes), as a converter stores them."""
+    encode = {"Q4_K": _q4_k, "Q6_K": _q6_k}.get(kind)
+    if encode is None:
+        return gguf.quantize(array, gguf.GGMLQuantizationType[kind])
+    return encode(array).reshape(array.shape[0], -1)
+
+
+K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512)
+"""A tiny model whose rows split into the K-quants' blocks of 256."""
+
+
 def write_gguf(
     hf_model, path, architecture: str, tensor_type: str = "F32", types=None, **metadata
 ):
@@ -96,7 +154,7 @@ def write_gguf(
         stored_name = _gguf_name(name, architecture)
         kind = (types or {}).get(stored_name, tensor_type if array.ndim == 2 else "F32")
         kind = gguf.GGMLQuantizationType[kind]
-        stored = array if kind.name == "F32" else gguf.quantize(array, kind)
+        stored = array if kind.name == "F32" else stored_as(array, kind.name)
         writer.add_tensor(stored_name, stored, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -121,18 +179,21 @@ def test_float_gguf_loads_to_the_transformers_logits(architecture, tmp_path):
     )
 
 
-@pytest.mark.parametrize("tensor_type", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize(
+    "tensor_type", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
+)
 def test_quantized_gguf_loads_the_dequantised_weights(tensor_type, tmp_path):
     """Each 2-D weight is what `gguf.dequantize` gives for the stored blocks, so the model
     computes what transformers computes with those dequantised weights."""
-    hf_model = make_hf_model("llama")
+    hf_model = make_hf_model("llama", **K_QUANT_SIZES)
     path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", tensor_type)
     kind = gguf.GGMLQuantizationType[tensor_type]
-    state = {
-        name: gguf.dequantize(gguf.quantize(t.numpy(), kind), kind) if t.ndim == 2 else t.numpy()
-        for name, t in hf_model.state_dict().items()
-    }
-    hf_model.load_state_dict({name: torch.tensor(a) for name, a in state.items()})
+
+    def as_read(t):
+        return gguf.dequantize(stored_as(t.numpy(), tensor_type), kind) if t.ndim == 2 else t
+
+    state = {name: as_read(t) for name, t in hf_model.state_dict().items()}
+    hf_model.load_state_dict({name: torch.as_tensor(a) for name, a in state.items()})
     model = eqdel.from_pretrained(path, progress=False)
     ids = random_ids(2, 16)
     np.testing.assert_allclose(
@@ -158,9 +219,9 @@ def _check_kept(kept, float_model, path, tmp_path):
     return sharded
 
 
-@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("tensor_type", ["Q4_0", "Q4_1", "Q4_K"])
 def test_q4_blocks_kept_quantized_compute_the_dequantised_model(tensor_type, tmp_path):
-    hf_model = make_hf_model("llama")
+    hf_model = make_hf_model("llama", **K_QUANT_SIZES)
     # One layer's value projection in Q8_0: no layer's value projection stays int4.
     types = {"blk.1.attn_v.weight": "Q8_0"}
     path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", tensor_type, types)
@@ -174,24 +235,25 @@ def test_q4_blocks_kept_quantized_compute_the_dequantised_model(tensor_type, tmp
     assert sharded.model.layers.self_attn.q_proj.codes.sharding.spec != (None, None, None)
 
 
-def test_q8_0_blocks_kept_quantized_compute_the_dequantised_model(tmp_path):
-    """A Q8_0 file of a tied model kept as int8: the linear layers and the token
-    embeddings (which the head reads too) hold the stored codes and scales, and the model
-    computes what the float load does."""
-    hf_model = make_hf_model("llama", tie_word_embeddings=True)
-    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "Q8_0")
+@pytest.mark.parametrize("tensor_type, group", [("Q8_0", 32), ("Q5_0", 32), ("Q6_K", 16)])
+def test_int8_blocks_kept_quantized_compute_the_dequantised_model(tensor_type, group, tmp_path):
+    """A Q8_0, Q5_0 or Q6_K file of a tied model kept as int8: the linear layers and the
+    token embeddings (which the head reads too) hold the stored codes and scales, and the
+    model computes what the float load does."""
+    hf_model = make_hf_model("llama", tie_word_embeddings=True, **K_QUANT_SIZES)
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", tensor_type)
     float_model = eqdel.from_pretrained(path, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kept = eqdel.from_pretrained(path, progress=False, keep_quantized=True)
     table = kept.model.embed_tokens
-    assert isinstance(table, eqdel.Int8Embedding) and table.group_size == 32
+    assert isinstance(table, eqdel.Int8Embedding) and table.group_size == group
     assert table.codes.dtype == jnp.int8 and kept.lm_head is None
     layer = kept.model.layers
     for linear in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
-        assert isinstance(linear, eqdel.Int8Linear) and linear.group_size == 32
+        assert isinstance(linear, eqdel.Int8Linear) and linear.group_size == group
         assert linear.codes.dtype == jnp.int8
-        assert linear.scales.shape == (2, linear.codes.shape[1] // 32, linear.codes.shape[2])
+        assert linear.scales.shape == (2, linear.codes.shape[1] // group, linear.codes.shape[2])
     sharded = _check_kept(kept, float_model, path, tmp_path)
     assert sharded.model.layers.mlp.down_proj.codes.sharding.spec != (None, None, None)
 
@@ -216,10 +278,43 @@ def test_q4_and_q8_0_layers_kept_side_by_side(tmp_path):
         eqdel.save_pretrained(kept, tmp_path / "saved")
 
 
+def test_k_quant_mix_keeps_each_layer_that_one_type_holds(tmp_path):
+    """A file mixed as llama.cpp's Q4_K_M mixes: Q4_K layers, value projections in Q6_K,
+    down projections Q6_K in one layer and Q4_K in the other, Q6_K token embeddings and
+    head. Each kind kept holds the stored blocks; the mixed one loads as float."""
+    hf_model = make_hf_model("llama", **K_QUANT_SIZES)
+    types = {
+        "blk.0.attn_v.weight": "Q6_K",
+        "blk.1.attn_v.weight": "Q6_K",
+        "blk.0.ffn_down.weight": "Q6_K",
+        "token_embd.weight": "Q6_K",
+        "output.weight": "Q6_K",
+    }
+    path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "Q4_K", types)
+    float_model = eqdel.from_pretrained(path, progress=False)
+    kept = eqdel.from_pretrained(path, progress=False, keep_quantized=True)
+    layer = kept.model.layers
+    assert isinstance(layer.self_attn.q_proj, eqdel.Int4Linear)
+    assert isinstance(layer.mlp.gate_proj, eqdel.Int4Linear)
+    assert isinstance(layer.self_attn.v_proj, eqdel.Int8Linear)
+    assert layer.self_attn.v_proj.group_size == 16
+    assert isinstance(layer.mlp.down_proj, Linear)
+    assert isinstance(kept.model.embed_tokens, eqdel.Int8Embedding)
+    assert isinstance(kept.lm_head, eqdel.Int8Linear) and kept.lm_head.group_size == 16
+    for a, b in zip(jax.tree.leaves(eqdel.dequantize(kept)), jax.tree.leaves(float_model)):
+        np.testing.assert_array_equal(a, b)
+    ids = jnp.asarray(random_ids(2, 16))
+    np.testing.assert_allclose(kept(ids).logits, float_model(ids).logits, atol=1e-5, rtol=0)
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    sharded = eqdel.from_pretrained(path, sharding=cfg, progress=False, keep_quantized=True)
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(kept), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_keep_quantized_without_kept_blocks_warns_or_is_refused(tmp_path):
     hf_model = make_hf_model("llama")
     path = write_gguf(hf_model, tmp_path / "model.gguf", "llama", "F16")
-    with pytest.warns(UserWarning, match="model.gguf stores no decoder linear layer as Q4_0"):
+    with pytest.warns(UserWarning, match="model.gguf stores no linear layer in every layer"):
         model = eqdel.from_pretrained(path, progress=False, keep_quantized=True)
     assert isinstance(model.model.layers.self_attn.q_proj, Linear)
     assert isinstance(model.model.embed_tokens, eqdel.nn.Embedding)

@@ -1,10 +1,10 @@
 """Hugging Face checkpoints (config.json + safetensors) in and out; GGUF files in."""
 
 from ._errors import CheckpointError as CheckpointError
+from ._ggml_blocks import KEPT_TYPES as KEPT_TYPES
 from ._gguf import (
     GGUF_ARCHITECTURES as GGUF_ARCHITECTURES,
     GGUF_TENSOR_TYPES as GGUF_TENSOR_TYPES,
-    INT4_BLOCK_TYPES as INT4_BLOCK_TYPES,
     GGUFCheckpoint as GGUFCheckpoint,
 )
 from ._layout import HFTensor as HFTensor, hf_layout as hf_layout

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ._errors import CheckpointError
+from ._ggml_blocks import KEPT_TYPES, int4_parts, int8_parts
 
 GGUF_ARCHITECTURES = {
     "llama": "llama",
@@ -30,18 +31,6 @@ GGUF_TENSOR_TYPES = (
 )  # fmt: skip
 """The GGML tensor types read (and dequantised with the `gguf` package)."""
 
-INT4_BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20}
-"""GGML types kept as int4 codes by `from_pretrained(..., keep_quantized=True)`, with
-the bytes of each of their blocks: 32 inputs of one output, a float16 scale `d` (and,
-for Q4_1, a float16 offset `m`), then 16 bytes of codes `q` from 0 to 15, byte `k`
-holding inputs `k` and `k + 16`. The weights are `q * d + m` (Q4_1) or `(q - 8) * d`
-(Q4_0)."""
-INT4_GROUP = 32
-Q8_0_BLOCK = 34
-"""Bytes of a Q8_0 block: 32 entries of a row, a float16 scale `d`, then 32 int8 codes
-`q`; the entries are `q * d`. Linear layers and token embeddings stored so are kept as
-int8 codes by `from_pretrained(..., keep_quantized=True)`."""
-Q8_0_GROUP = 32
 _EMBEDDINGS = "model.embed_tokens.weight"
 
 _CONFIG_KEYS = {
@@ -141,11 +130,6 @@ def _hf_tensor_name(name: str, architecture: str, path: Path) -> str:
     )
 
 
-def _float16s(pairs: np.ndarray) -> np.ndarray:
-    """Float16 numbers stored as pairs of bytes (the last dimension), as float32."""
-    return pairs.copy().view(np.float16)[..., 0].astype(np.float32)
-
-
 class GGUFCheckpoint:
     """A GGUF file seen as a Hugging Face checkpoint: `hf_config` is its config.json, and
     `shape` / `read` give its tensors (dequantised to float32, llama.cpp's changes undone)
@@ -154,13 +138,13 @@ class GGUFCheckpoint:
     **Arguments:**
 
     - `path`: the `.gguf` file.
-    - `keep_quantized`: whether the decoder's linear layers stored as Q4_0 / Q4_1 in
-        every layer (`int4_modules`) are read as the `codes`, `scales` and `offsets` of
-        an `eqdel.Int4Linear` with groups of 32 rather than as a float `weight`, those
-        stored as Q8_0 in every layer (`int8_modules`) as the `codes` and `scales` of an
-        `eqdel.Int8Linear` with groups of 32, and token embeddings stored as Q8_0 as the
-        `codes` and `scales` of an `eqdel.Int8Embedding` with groups of 32
-        (`embedding_group`).
+    - `keep_quantized`: whether the linear layers stored in every layer in one of
+        `KEPT_TYPES` that maps to one scheme and group size (`kept_modules`, by field
+        name: `{"q_proj": ("int4", 32), ...}`), and a separate language-model head
+        stored so (`"lm_head"`), are read as the `codes`, `scales` (and `offsets`) of an
+        `eqdel.Int4Linear` or `eqdel.Int8Linear` rather than as a float `weight`, and
+        token embeddings stored as an int8 type as those of an `eqdel.Int8Embedding`
+        (`embedding_group`, its entries per scale).
 
     **Raises:**
 
@@ -189,40 +173,49 @@ class GGUFCheckpoint:
                 )
             self.tensors[_hf_tensor_name(tensor.name, architecture, self.path)] = tensor
         self.names = set(self.tensors)
-        self.int4_modules = self._modules_stored_as(INT4_BLOCK_TYPES) if keep_quantized else []
-        self.int8_modules = self._modules_stored_as({"Q8_0"}) if keep_quantized else []
-        self._int4_parts = self._layer_parts(self.int4_modules, ("codes", "scales", "offsets"))
-        self._int8_parts = self._layer_parts(self.int8_modules, ("codes", "scales"))
+        self.kept_modules = self._kept_modules() if keep_quantized else {}
         embeddings = self.tensors.get(_EMBEDDINGS)
-        q8_0 = keep_quantized and embeddings is not None and embeddings.tensor_type.name == "Q8_0"
-        self.embedding_group = Q8_0_GROUP if q8_0 else None
-        self._embedding_parts = {
-            f"model.embed_tokens.{part}": (_EMBEDDINGS, part)
-            for part in (("codes", "scales") if q8_0 else ())
+        stored_as = None if embeddings is None else embeddings.tensor_type.name
+        scheme, group = KEPT_TYPES.get(stored_as, (None, None))
+        self.embedding_group = group if keep_quantized and scheme == "int8" else None
+        self._kept_parts = {
+            f"{name.removesuffix('.weight')}.{part}": (name, part)
+            for name, tensor in self.tensors.items()
+            if self._module(name) in self.kept_modules
+            for part in self._parts(tensor)
         }
-        self._kept_parts = self._int4_parts | self._int8_parts | self._embedding_parts
+        if self.embedding_group is not None:
+            for part in ("codes", "scales"):
+                self._kept_parts[f"model.embed_tokens.{part}"] = (_EMBEDDINGS, part)
         self.names -= {name for name, _ in self._kept_parts.values()}
         self.names |= set(self._kept_parts)
 
-    def _modules_stored_as(self, types) -> list[str]:
-        """The decoder's linear layers (by field name, e.g. `q_proj`) stored in blocks of
-        one of `types` in every layer."""
-        kinds: dict[str, set[bool]] = {}
-        for name, tensor in self.tensors.items():
-            if name.startswith("model.layers.") and name.endswith(".weight"):
-                module = name.split(".")[-2]
-                kept = tensor.tensor_type.name in types and len(tensor.shape) == 2
-                kinds.setdefault(module, set()).add(kept)
-        return sorted(module for module, kind in kinds.items() if kind == {True})
+    @staticmethod
+    def _module(name: str) -> str | None:
+        """The field name of the linear layer whose weight is tensor `name` (`q_proj`,
+        `lm_head`), or `None` for tensors outside the layers and head."""
+        if name == "lm_head.weight" or name.startswith("model.layers."):
+            return name.split(".")[-2] if name.endswith(".weight") else None
+        return None
 
-    def _layer_parts(self, modules: list[str], parts: tuple[str, ...]) -> dict:
-        """`{layer field name: (the stored weight's name, the field)}` for the fields
-        `parts` of every layer's `modules`."""
+    @staticmethod
+    def _parts(tensor) -> tuple[str, ...]:
+        """The fields of the quantized layer that a tensor stored as `tensor` becomes."""
+        int4 = KEPT_TYPES[tensor.tensor_type.name][0] == "int4"
+        return ("codes", "scales", "offsets") if int4 else ("codes", "scales")
+
+    def _kept_modules(self) -> dict[str, tuple[str, int]]:
+        """`{field name: (scheme, group size)}` for the linear layers stored in every
+        layer in types that `KEPT_TYPES` maps to that one scheme and group size."""
+        kinds: dict[str, set] = {}
+        for name, tensor in self.tensors.items():
+            if (module := self._module(name)) is not None:
+                kind = KEPT_TYPES.get(tensor.tensor_type.name) if len(tensor.shape) == 2 else None
+                kinds.setdefault(module, set()).add(kind)
         return {
-            f"{name.removesuffix('.weight')}.{part}": (name, part)
-            for name in self.tensors
-            if name.startswith("model.layers.") and name.split(".")[-2] in modules
-            for part in parts
+            module: kind
+            for module, kinds_seen in sorted(kinds.items())
+            if len(kinds_seen) == 1 and (kind := next(iter(kinds_seen))) is not None
         }
 
     def _hf_config(self) -> dict:
@@ -254,18 +247,14 @@ class GGUFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The Hugging Face shape of tensor `name` (GGML lists dimensions innermost first);
-        for the parts of a layer kept as int4, the shape of that `Int4Linear` field."""
-        if name in self._int4_parts:
-            weight, part = self._int4_parts[name]
-            n_out, n_in = self.shape(weight)
-            return (n_in // 2 if part == "codes" else n_in // INT4_GROUP, n_out)
-        if name in self._int8_parts:
-            weight, part = self._int8_parts[name]
-            n_out, n_in = self.shape(weight)
-            return (n_in if part == "codes" else n_in // Q8_0_GROUP, n_out)
-        if name in self._embedding_parts:
-            vocab, embed = self.shape(_EMBEDDINGS)
-            return (vocab, embed if name.endswith("codes") else embed // Q8_0_GROUP)
+        for the parts of a layer or table kept quantized, the shape of that field."""
+        if name in self._kept_parts:
+            weight, part = self._kept_parts[name]
+            rows, n_in = self.shape(weight)
+            scheme, group = KEPT_TYPES[self.tensors[weight].tensor_type.name]
+            codes = n_in // 2 if scheme == "int4" else n_in
+            entries = codes if part == "codes" else n_in // group
+            return (rows, entries) if weight == _EMBEDDINGS else (entries, rows)
         return tuple(int(n) for n in reversed(self.tensors[name].shape))
 
     def _row_order(self, name: str) -> np.ndarray | None:
@@ -286,33 +275,17 @@ class GGUFCheckpoint:
         order = self._row_order(name)
         return stored if order is None else order[stored]
 
-    def _read_int4(self, name: str, index: tuple) -> np.ndarray:
-        """Block `index` of an `Int4Linear` field (`[inputs, outputs]` layout) straight
-        from the stored Q4_0 / Q4_1 blocks, with no float round trip for the codes."""
-        weight, part = self._int4_parts[name]
+    def _read_kept(self, name: str, index: tuple) -> np.ndarray:
+        """Block `index` of a field of a layer (`[inputs, outputs]`) or table (`[vocab,
+        entries]`) kept quantized, straight from the stored blocks."""
+        weight, part = self._kept_parts[name]
         tensor = self.tensors[weight]
         kind = tensor.tensor_type.name
+        parts = int4_parts if KEPT_TYPES[kind][0] == "int4" else int8_parts
+        if weight == _EMBEDDINGS:
+            return parts(kind, np.asarray(tensor.data[index[0]]))[part][:, index[1]]
         raw = np.asarray(tensor.data[self._stored_rows(weight, index[1])])
-        blocks = raw.reshape(len(raw), -1, INT4_BLOCK_TYPES[kind])
-        if part == "codes":
-            value = blocks[..., -16:].reshape(len(raw), -1)
-        else:
-            scales = _float16s(blocks[..., 0:2])
-            value = (
-                scales
-                if part == "scales"
-                else (_float16s(blocks[..., 2:4]) if kind == "Q4_1" else -8 * scales)
-            )
-        return value.T[index[0]]
-
-    def _read_q8_0(self, weight: str, part: str, rows: np.ndarray | slice) -> np.ndarray:
-        """The int8 codes (`[rows, entries]`) or float16 scales (`[rows, blocks]`) of
-        rows `rows` of `weight`, straight from its stored Q8_0 blocks."""
-        raw = np.asarray(self.tensors[weight].data[rows])
-        blocks = raw.reshape(len(raw), -1, Q8_0_BLOCK)
-        if part == "codes":
-            return blocks[..., 2:].copy().view(np.int8).reshape(len(raw), -1)
-        return _float16s(blocks[..., 0:2])
+        return parts(kind, raw)[part].T[index[0]]
 
     def read(self, name: str, index: tuple) -> np.ndarray:
         """The float32 block `index` (a tuple of slices) of tensor `name` (for the parts
@@ -325,15 +298,8 @@ class GGUFCheckpoint:
         tensor = self.tensors[self._kept_parts.get(name, (name,))[0]]
         shape = self.shape(name)
         try:
-            if name in self._int4_parts:
-                return self._read_int4(name, index)
-            if name in self._int8_parts:  # an `Int8Linear` field, `[inputs, outputs]`
-                weight, part = self._int8_parts[name]
-                rows = self._stored_rows(weight, index[1])
-                return self._read_q8_0(weight, part, rows).T[index[0]]
-            if name in self._embedding_parts:
-                part = self._embedding_parts[name][1]
-                return self._read_q8_0(_EMBEDDINGS, part, index[0])[:, index[1]]
+            if name in self._kept_parts:
+                return self._read_kept(name, index)
             if len(shape) == 1:
                 block = dequantize(tensor.data, tensor.tensor_type).reshape(shape)[index]
             else:

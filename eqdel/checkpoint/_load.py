@@ -22,7 +22,8 @@ from ..models import config_class
 from ..models._registry import MODEL_TYPES
 from ..nn import Linear
 from ._errors import CheckpointError
-from ._gguf import INT4_GROUP, Q8_0_GROUP, GGUFCheckpoint, is_gguf
+from ._ggml_blocks import KEPT_TYPES
+from ._gguf import GGUFCheckpoint, is_gguf
 from ._layout import HFTensor, hf_layout
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -206,18 +207,19 @@ def _quantization(path: Path, hf: dict):
 
 
 def _gguf_kept(path: Path, reader: GGUFCheckpoint):
-    """The transformation that gives the skeleton int4 layers where a GGUF file stores
-    Q4_0 / Q4_1 blocks, int8 layers in groups of 32 where it stores Q8_0 blocks, and
-    int8 embeddings where it stores them as Q8_0."""
-    int4, int8, embedding_group = reader.int4_modules, reader.int8_modules, reader.embedding_group
-    if not int4 and not int8 and embedding_group is None:
+    """The transformation that gives the skeleton the quantized layers and embeddings
+    that a GGUF file stores in kept types (`eqdel.checkpoint.KEPT_TYPES`)."""
+    by_kind: dict[tuple[str, int], list[str]] = {}
+    for module, kind in reader.kept_modules.items():
+        by_kind.setdefault(kind, []).append(module)
+    if not by_kind and reader.embedding_group is None:
         warnings.warn(
-            f"{path.name} stores no decoder linear layer as Q4_0, Q4_1 or Q8_0 in every "
-            "layer and no Q8_0 token embeddings; it loads as float.",
+            f"{path.name} stores no linear layer in every layer, and no token embeddings, "
+            f"in a type kept quantized ({', '.join(KEPT_TYPES)}); it loads as float.",
             stacklevel=3,
         )
-    parts = [("int4", INT4_GROUP, int4), ("int8", Q8_0_GROUP, int8)]
-    return _quantized_as(parts, embedding_group)
+    parts = [(scheme, group, modules) for (scheme, group), modules in sorted(by_kind.items())]
+    return _quantized_as(parts, reader.embedding_group)
 
 
 def _loader(tensor: HFTensor, reader, dtype, shape: tuple[int, ...]):
@@ -265,16 +267,18 @@ def from_pretrained(
     - `sharding`: a [`eqdel.ShardingConfig`][] to place the parameters on its mesh, or
         `None` for the default device.
     - `progress`: show a progress bar.
-    - `keep_quantized`: for a GGUF file, keep the decoder's linear layers that are
-        stored as Q4_0 or Q4_1 blocks (in every layer) as [`eqdel.Int4Linear`][] with
-        groups of 32, those stored as Q8_0 blocks (in every layer) as
-        [`eqdel.Int8Linear`][] with groups of 32, and token embeddings stored as Q8_0
-        blocks as an [`eqdel.Int8Embedding`][] with groups of 32: the codes as stored,
-        the float16 scales and offsets in `dtype`. The model computes what the
-        dequantised float one does; 4-bit codes take an eighth of float32's bytes and
-        int8 codes a quarter, float32 scales and offsets a sixteenth more (a
-        thirty-second for int8). Other layers load as float. A file that mixes Q4 and
-        Q8_0 layers loads both kinds, but `save_pretrained` saves one kind only.
+    - `keep_quantized`: for a GGUF file, keep the linear layers stored in every layer
+        (and a separate head) as Q4_0, Q4_1 or Q4_K blocks as [`eqdel.Int4Linear`][]
+        with groups of 32, those stored as Q8_0 or Q5_0 as [`eqdel.Int8Linear`][] with
+        groups of 32, or as Q6_K with groups of 16, and token embeddings stored as one
+        of the int8 types as an [`eqdel.Int8Embedding`][]
+        (`eqdel.checkpoint.KEPT_TYPES`): the codes as stored, the scales and offsets in
+        `dtype`. The model computes what the dequantised float one does; 4-bit codes
+        take an eighth of float32's bytes and int8 codes a quarter, float32 scales and
+        offsets a sixteenth more (a thirty-second for int8 in groups of 32). Other
+        layers, and layers whose type changes from layer to layer, load as float. A
+        file that mixes int4 and int8 layers loads both kinds, but `save_pretrained`
+        saves one kind only.
     - `**config_overrides`: config fields to set, such as `scan_layers=False`.
 
     **Returns:**
