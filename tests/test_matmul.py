@@ -9,6 +9,7 @@ import pytest
 
 from eqdel.nn import activation_dtype
 from eqdel.nn._linear import matmul
+from eqdel.nn._transpose import tiled_transpose
 
 BF16_ULP = 2.0**-7  # the relative spacing of bfloat16 numbers
 
@@ -16,6 +17,12 @@ BF16_ULP = 2.0**-7  # the relative spacing of bfloat16 numbers
 def _loss(x, weight, cotangent, transposed):
     out = matmul(x, weight, transposed=transposed)
     return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+
+@pytest.mark.parametrize("shape", [(130, 96), (7, 5), (128, 192), (97, 64), (1, 3)])
+def test_tiled_transpose_is_the_transpose(shape):
+    matrix = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    np.testing.assert_array_equal(jax.jit(tiled_transpose)(jnp.asarray(matrix)), matrix.T)
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -11,6 +11,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._field import field
 from . import _few_rows
 from ._broadcast import trailing
+from ._transpose import tiled_transpose
 
 LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 """The 16-bit float dtypes, whose products on CPU accumulate in float32."""
@@ -47,8 +48,9 @@ def _low_precision_matmul(rows: Array, weight: Array, transposed: bool, out_dtyp
     last dimension on an operand it does not have to transpose first; otherwise it
     converts both operands to float32, slower than float32 throughout. The input
     gradient is written in that form too. The weight gradient contracts the tokens, the
-    leading dimension of both operands, and runs at float32 speed whichever way it is
-    written. The output's gradient is rounded to the weight's dtype for both.
+    leading dimension of both operands: its left operand is therefore transposed first,
+    as tiles (`tiled_transpose`), which XLA writes out rather than folding into the
+    product. The output's gradient is rounded to the weight's dtype for both.
     """
     return _dot(rows, weight, 1, 1 if transposed else 0).astype(out_dtype)
 
@@ -61,7 +63,10 @@ def _low_precision_matmul_bwd(transposed, out_dtype, residuals, grad):
     rows, weight = residuals
     grad = grad.astype(weight.dtype)
     grad_rows = _dot(grad, weight, 1, 0 if transposed else 1)
-    grad_weight = _dot(grad, rows, 0, 0) if transposed else _dot(rows, grad, 0, 0)
+    if transposed:
+        grad_weight = _dot(tiled_transpose(grad), rows, 1, 0)
+    else:
+        grad_weight = _dot(tiled_transpose(rows), grad, 1, 0)
     return grad_rows.astype(rows.dtype), grad_weight.astype(weight.dtype)
 
 
