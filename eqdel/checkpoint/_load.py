@@ -214,7 +214,7 @@ def _gguf_kept(path: Path, reader: GGUFCheckpoint):
         by_kind.setdefault(kind, []).append(module)
     if not by_kind and reader.embedding_group is None:
         warnings.warn(
-            f"{path.name} stores no linear layer in every layer, and no token embeddings, "
+            f"{path.name} stores no linear layer (in every layer) nor its token embeddings "
             f"in a type kept quantized ({', '.join(KEPT_TYPES)}); it loads as float.",
             stacklevel=3,
         )
