@@ -2,7 +2,8 @@
 no float round trip for the codes.
 
 Every block covers consecutive entries of one row. Each reader takes the raw bytes of
-some rows (`[rows, bytes per row]`) and returns arrays with one entry per row:
+some rows (`[rows, bytes per row]`) and the part wanted, and returns it with one entry
+per row:
 
 - int4 types (`Int4Linear`, groups of 32, `w = q * scale + offset`): `codes`
     `[rows, entries / 2]` packed as `Int4Linear` packs them (in every group of 32, byte
@@ -62,38 +63,43 @@ def _int4_from_chunks(chunks: np.ndarray) -> np.ndarray:
     return np.stack([first, second], axis=-2)
 
 
-def int4_parts(kind: str, raw: np.ndarray) -> dict[str, np.ndarray]:
-    """The `Int4Linear` codes, scales and offsets of rows stored as Q4_0, Q4_1 or Q4_K."""
+def int4_part(kind: str, raw: np.ndarray, part: str) -> np.ndarray:
+    """The `Int4Linear` `codes`, `scales` or `offsets` (`part`) of rows stored as Q4_0,
+    Q4_1 or Q4_K."""
     blocks = _blocks(kind, raw)
     rows = len(raw)
-    if kind == "Q4_K":
-        scale, minimum = _float16s(blocks[..., 0:2]), _float16s(blocks[..., 2:4])
-        scales, mins = _q4_k_scales_mins(blocks[..., 4:16])
-        chunks = blocks[..., 16:].reshape(rows, -1, 4, 32)
-        return {
-            "codes": _int4_from_chunks(chunks).reshape(rows, -1),
-            "scales": (scale[..., None] * scales).reshape(rows, -1),
-            "offsets": -(minimum[..., None] * mins).reshape(rows, -1),
-        }
-    scales = _float16s(blocks[..., 0:2])
-    offsets = _float16s(blocks[..., 2:4]) if kind == "Q4_1" else -8 * scales
-    return {"codes": blocks[..., -16:].reshape(rows, -1), "scales": scales, "offsets": offsets}
+    if kind != "Q4_K":
+        if part == "codes":
+            return blocks[..., -16:].reshape(rows, -1)
+        scales = _float16s(blocks[..., 0:2])
+        if part == "scales":
+            return scales
+        return _float16s(blocks[..., 2:4]) if kind == "Q4_1" else -8 * scales
+    if part == "codes":
+        return _int4_from_chunks(blocks[..., 16:].reshape(rows, -1, 4, 32)).reshape(rows, -1)
+    scales, mins = _q4_k_scales_mins(blocks[..., 4:16])
+    if part == "scales":
+        return (_float16s(blocks[..., 0:2])[..., None] * scales).reshape(rows, -1)
+    return -(_float16s(blocks[..., 2:4])[..., None] * mins).reshape(rows, -1)
 
 
-def int8_parts(kind: str, raw: np.ndarray) -> dict[str, np.ndarray]:
-    """The int8 codes and scales of rows stored as Q8_0, Q5_0 or Q6_K."""
+def int8_part(kind: str, raw: np.ndarray, part: str) -> np.ndarray:
+    """The int8 `codes` or `scales` (`part`) of rows stored as Q8_0, Q5_0 or Q6_K."""
     blocks = _blocks(kind, raw)
     rows = len(raw)
+    if part == "scales":
+        if kind != "Q6_K":
+            return _float16s(blocks[..., 0:2])
+        sub_scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+        return (_float16s(blocks[..., 208:210])[..., None] * sub_scales).reshape(rows, -1)
     if kind == "Q8_0":
-        codes = blocks[..., 2:].copy().view(np.int8)
-        return {"codes": codes.reshape(rows, -1), "scales": _float16s(blocks[..., 0:2])}
+        return blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
     if kind == "Q5_0":  # a float16 scale, the fifth bits of 32 entries, then 16 bytes of
         # four bits as Q4_0 packs them; the codes run from -16 to 15
         fifth = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")
         nibbles = blocks[..., 6:]
         low = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1)
-        codes = (low | (fifth << 4)).astype(np.int8) - 16
-        return {"codes": codes.reshape(rows, -1), "scales": _float16s(blocks[..., 0:2])}
+        return ((low | (fifth << 4)).astype(np.int8) - 16).reshape(rows, -1)
     # Q6_K: 128 bytes of low four bits, 64 of high two bits, 16 int8 scales (one per 16
     # entries) and a float16 scale; each half of 128 entries takes 64 low bytes (entries
     # i and i + 64) and 32 high bytes (entries i, i + 32, i + 64, i + 96)
@@ -101,7 +107,4 @@ def int8_parts(kind: str, raw: np.ndarray) -> dict[str, np.ndarray]:
     high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)
     low = np.concatenate([low & 15, low >> 4], axis=-1)
     high = (high >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
-    codes = (low | (high.reshape(low.shape) << 4)).astype(np.int8) - 32
-    sub_scales = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    scales = _float16s(blocks[..., 208:210])[..., None] * sub_scales
-    return {"codes": codes.reshape(rows, -1), "scales": scales.reshape(rows, -1)}
+    return ((low | (high.reshape(low.shape) << 4)).astype(np.int8) - 32).reshape(rows, -1)

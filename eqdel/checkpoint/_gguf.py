@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ._errors import CheckpointError
-from ._ggml_blocks import KEPT_TYPES, int4_parts, int8_parts
+from ._ggml_blocks import KEPT_TYPES, int4_part, int8_part
 
 GGUF_ARCHITECTURES = {
     "llama": "llama",
@@ -281,11 +281,11 @@ class GGUFCheckpoint:
         weight, part = self._kept_parts[name]
         tensor = self.tensors[weight]
         kind = tensor.tensor_type.name
-        parts = int4_parts if KEPT_TYPES[kind][0] == "int4" else int8_parts
+        decode = int4_part if KEPT_TYPES[kind][0] == "int4" else int8_part
         if weight == _EMBEDDINGS:
-            return parts(kind, np.asarray(tensor.data[index[0]]))[part][:, index[1]]
+            return decode(kind, np.asarray(tensor.data[index[0]]), part)[:, index[1]]
         raw = np.asarray(tensor.data[self._stored_rows(weight, index[1])])
-        return parts(kind, raw)[part].T[index[0]]
+        return decode(kind, raw, part).T[index[0]]
 
     def read(self, name: str, index: tuple) -> np.ndarray:
         """The float32 block `index` (a tuple of slices) of tensor `name` (for the parts
