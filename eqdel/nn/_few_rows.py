@@ -1,5 +1,6 @@
-"""Products of a few rows with a weight on CPU, and a decode step's attention on its
-cache as stored, through the kernels of `few_rows.cc`.
+"""Products of a few rows with a weight on CPU, a decode step's attention on its cache
+as stored, and one layer copied out of a 16-bit stack, through the kernels of
+`few_rows.cc`.
 
 A decode step multiplies one row per sequence by every weight. XLA's CPU backend reads
 a 16-bit or quantized weight there only as a float32 copy it makes once, before the

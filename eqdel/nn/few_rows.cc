@@ -6,8 +6,10 @@
 // kernels read each weight once, as stored (float32, bfloat16, int8 codes, 4-bit codes),
 // convert in registers and accumulate in float32, with the output columns split over
 // XLA's intra-op threads. Rows are float32, already rounded where the product asks for
-// it; a 4-bit product's rows are zero-padded to whole groups. A decode step's attention
-// on a float32 key/value cache, read as stored, is here too (`attend`).
+// it; a 4-bit product's rows are zero-padded to whole groups. A bfloat16 tied head runs
+// on the tile unit (AMX) where the CPU has one. A decode step's attention on a float32
+// key/value cache, read as stored, is here too (`attend`), and the copy of one layer out
+// of a 16-bit stack (`LayerImpl`).
 
 #include <algorithm>
 #include <atomic>
