@@ -5,7 +5,9 @@ gradient into one, by converting the whole stack to float32 and back: on every c
 in the backward pass on every layer. A scan over the stack's bits as `uint16` slices them
 in place; a float32 stand-in of the stack's shape receives the gradients, written in
 place too and converted once at the end. SmolLM2-135M in bfloat16 on 2 cores, with and
-without, interleaved: prefill 1.11x, train step 1.07x as fast.
+without, interleaved: prefill 1.11x, train step 1.07x as fast. With eqdel's CPU kernels,
+a kernel copies each layer out of the 16-bit stack instead, sparing XLA a copy of every
+stack into its bits per call (train step 1.04-1.07x as fast again).
 """
 
 import functools
