@@ -168,36 +168,6 @@ def test_gradients_equal_those_through_xla(getkey, monkeypatch):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_a_16_bit_scan_copies_each_layer_by_kernel_with_the_same_loss_and_gradients(
-    monkeypatch,
-):
-    """With the kernels, a scan over 16-bit stacked layers copies each layer out of the
-    whole stack (XLA would convert the stack to float32 first, or copy it into its bits);
-    the loss and every gradient equal those of the bits."""
-    from eqdel.nn import _scan_bits
-
-    model = LlamaForCausalLM(TINY_LLAMA, dtype=jnp.bfloat16, key=jax.random.key(0))
-    ids = jax.random.randint(jax.random.key(1), (2, 24), 0, TINY_LLAMA.vocab_size)
-
-    def loss(model):
-        return jnp.mean(model(ids).logits.astype(jnp.float32) ** 2)
-
-    def loss_and_grads():
-        return eqx.filter_jit(eqx.filter_value_and_grad(loss))(model)
-
-    assert "eqdel_layer" in str(jax.make_jaxpr(loss)(model))
-    got = loss_and_grads()
-    monkeypatch.setattr(_scan_bits._few_rows, "available", lambda: False)
-    jax.clear_caches()  # traces of the layers' scan are cached
-    assert "eqdel_layer" not in str(jax.make_jaxpr(loss)(model))
-    want = loss_and_grads()
-    monkeypatch.undo()
-    jax.clear_caches()  # no trace without the kernels outlives the test
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_quantized_decode_reads_the_codes_and_generates_as_dequantised(monkeypatch):
     """The compiled decode loop runs the int8 products through the kernel, on the codes,
     and greedy tokens equal the dequantised model's through XLA."""

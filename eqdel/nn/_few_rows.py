@@ -1,6 +1,5 @@
-"""Products of a few rows with a weight on CPU, a decode step's attention on its cache
-as stored, and one layer copied out of a 16-bit stack, through the kernels of
-`few_rows.cc`.
+"""Products of a few rows with a weight on CPU, and a decode step's attention on its
+cache as stored, through the kernels of `few_rows.cc`.
 
 A decode step multiplies one row per sequence by every weight. XLA's CPU backend reads
 a 16-bit or quantized weight there only as a float32 copy it makes once, before the
@@ -40,7 +39,6 @@ _TARGETS = {
     "eqdel_few_rows_int4": "EqdelFewRowsInt4",
     "eqdel_few_rows_nf4": "EqdelFewRowsNF4",
     "eqdel_attention": "EqdelAttention",
-    "eqdel_layer": "EqdelLayer",
 }
 
 
@@ -154,17 +152,6 @@ def dense(
         return _call(target, rows, out_features, weight, transposed=transposed)
 
     return _with_reference_gradient(kernel, reference)(rows, weight)
-
-
-def layer(stack: Array, index: Array) -> Array:
-    """`stack[index]` (the index clamped into range), copied by a kernel: a 16-bit stack
-    is sliced as stored, where XLA's CPU backend converts all of it to float32 first. Not
-    differentiable."""
-    if not available():
-        raise RuntimeError("eqdel's CPU kernels are not available here; see `available`.")
-    result = jax.ShapeDtypeStruct(stack.shape[1:], stack.dtype)
-    call = jax.ffi.ffi_call("eqdel_layer", result, vmap_method="sequential")
-    return call(stack, index.astype(jnp.int32))
 
 
 def int8(

@@ -4,7 +4,6 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from .._unstack import unstack_layers as unstack_layers
@@ -74,28 +73,19 @@ def run_layers(
     layers = stacked if isinstance(stacked, tuple) else (stacked,)
     static = eqx.partition(layers[0], eqx.is_array)[1]
 
-    if isinstance(stacked, tuple):
-
-        def apply(carry, inputs):
-            layer, x = inputs
-            return step(eqx.combine(layer, static), carry, x)
-
-        if remat != "none":
-            apply = jax.checkpoint(apply, policy=REMAT_POLICIES[remat])
-        ys = []
-        for layer, x in zip(stacked, xs or (None,) * len(stacked), strict=True):
-            carry, y = apply(carry, (eqx.filter(layer, eqx.is_array), x))
-            ys.append(y)
-        return carry, tuple(ys)
-
-    sliced, whole = scanned_form(eqx.filter(stacked, eqx.is_array))
-
     def body(carry, inputs):
-        layer, x, index = inputs
-        layer = read_scanned(layer, whole, index)
+        layer, x = inputs
+        layer = read_scanned(layer)
         return step(eqx.combine(layer, static), carry, x)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
-    count = jax.tree.leaves(sliced)[0].shape[0]
-    return jax.lax.scan(body, carry, (sliced, xs, jnp.arange(count)), unroll=not scan)
+
+    if isinstance(stacked, tuple):
+        ys = []
+        for layer, x in zip(stacked, xs or (None,) * len(stacked), strict=True):
+            carry, y = body(carry, (eqx.filter(layer, eqx.is_array), x))
+            ys.append(y)
+        return carry, tuple(ys)
+    arrays = scanned_form(eqx.filter(stacked, eqx.is_array))
+    return jax.lax.scan(body, carry, (arrays, xs), unroll=not scan)

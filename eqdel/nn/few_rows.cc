@@ -8,8 +8,7 @@
 // XLA's intra-op threads. Rows are float32, already rounded where the product asks for
 // it; a 4-bit product's rows are zero-padded to whole groups. A bfloat16 tied head runs
 // on the tile unit (AMX) where the CPU has one. A decode step's attention on a float32
-// key/value cache, read as stored, is here too (`attend`), and the copy of one layer out
-// of a 16-bit stack (`LayerImpl`).
+// key/value cache, read as stored, is here too (`attend`).
 
 #include <algorithm>
 #include <atomic>
@@ -769,27 +768,7 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
-// One layer of a stack [layers, ...] of any element type, the index clamped as
-// `dynamic_slice` clamps it: XLA's CPU backend slices a 16-bit stack only after
-// converting all of it to float32 (it supports no 16-bit slicing, but passes 16-bit
-// operands to custom calls as they are).
-ffi::Error LayerImpl(ffi::AnyBuffer stack, ffi::Buffer<ffi::S32> index,
-                     ffi::Result<ffi::AnyBuffer> layer) {
-  const int64_t layers = stack.dimensions()[0];
-  const int64_t i = std::clamp<int64_t>(index.typed_data()[0], 0, layers - 1);
-  const size_t bytes = layer->size_bytes();
-  std::memcpy(layer->untyped_data(), static_cast<const char*>(stack.untyped_data()) + i * bytes,
-              bytes);
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelLayer, LayerImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsF32, F32Impl,
                               ffi::Ffi::Bind()
