@@ -12,7 +12,6 @@ default); GPTQ calibrates on different text: the shipped corpus and instruction 
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 from _report import interleaved_medians, write
 
 import eqdel
-from eqdel._demo import perplexity_text_file
+from eqdel._demo import calibration_text, perplexity_text_file
 from eqdel._host_memory import rerun_with_huge_pages
 from eqdel._paths import get_path, module_paths
 from eqdel._quant import NF4_LEVELS
@@ -54,15 +53,6 @@ def bitsandbytes_style_nf4(model, block: int = 64):
 
     weights = [rounded(get_path(model, p).weight) for p in paths]
     return eqx.tree_at(lambda m: [get_path(m, p).weight for p in paths], model, weights)
-
-
-def calibration_text() -> str:
-    """English text other than the scored passage: the shipped corpus, then the
-    messages of the shipped instruction set."""
-    data = Path(eqdel.__file__).parent / "data"
-    records = [json.loads(line) for line in (data / "instructions.jsonl").read_text().splitlines()]
-    messages = [m["content"] for r in records for m in r["messages"]]
-    return (data / "corpus.txt").read_text() + "\n".join(messages)
 
 
 def _bytes(model) -> int:

@@ -186,12 +186,8 @@ def _perplexity(args) -> int:
     ids = tokenizer.encode(text_file.read_text()).ids
     described = "GGUF blocks kept quantized: " if args.keep_quantized else ""
     if args.quantize:
-        from ._quant import quantization_config, quantize
-
-        bits = 8 if args.quantize == "int8" else 4
-        model = quantize(model, bits, scheme=args.quantize, group_size=args.group_size)
-        group_size = quantization_config(model)["group_size"]
-        described = args.quantize + (f" (groups of {group_size})" if group_size else "") + ": "
+        model, scheme = _quantized(model, args.quantize, args.group_size)
+        described = scheme + ": "
     result = perplexity(model, ids, window=args.window, stride=args.stride)
     print(
         f"{described}perplexity {result.perplexity:.4f} (nll {result.nll:.5f} nats/token) over "
@@ -215,6 +211,80 @@ def _convert(args) -> int:
     out = save_pretrained(model, args.output, tokenizer=tokenizer, chat_template=template)
     print(f"wrote {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
     return 0
+
+
+def _quantized(model, scheme: str, group_size: int | None, **options):
+    """`model` quantized by `scheme` (`int8`, `nf4` or `int4`), and the scheme in words,
+    such as `nf4 (groups of 64)`."""
+    from ._quant import quantization_config, quantize
+
+    model = quantize(
+        model, 8 if scheme == "int8" else 4, scheme=scheme, group_size=group_size, **options
+    )
+    size = quantization_config(model)["group_size"]
+    return model, scheme + (f" (groups of {size})" if size else "")
+
+
+def _quantize(args) -> int:
+    import time
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+
+    from ._chat import load_chat_template
+    from ._demo import calibration_text
+    from ._tokenizer import load_tokenizer
+    from .checkpoint import CheckpointError, from_pretrained, save_pretrained
+
+    calibrated = args.calibration != "none"
+    if calibrated and args.calibration and not Path(args.calibration).is_file():
+        raise ValueError(f"no calibration text at {args.calibration}.")
+    if args.calibration_tokens < 1:
+        raise ValueError(
+            f"--calibration-tokens must be at least 1, not {args.calibration_tokens}."
+        )
+    tokenizer = load_tokenizer(args.model)
+    model = from_pretrained(args.model, progress=False)
+    calibration, described = None, "rounded to nearest"
+    if calibrated:
+        text = Path(args.calibration).read_text() if args.calibration else calibration_text()
+        source = Path(args.calibration).name if args.calibration else "eqdel's shipped text"
+        positions = getattr(model.config, "max_position_embeddings", None) or CALIBRATION_ROW
+        ids = tokenizer.encode(text).ids[: args.calibration_tokens]
+        calibration = jnp.asarray(_calibration_rows(ids, min(CALIBRATION_ROW, positions)))
+        described = f"GPTQ on {calibration.size:,} tokens of {source}"
+    jax.block_until_ready(model)
+    start = time.perf_counter()
+    model, scheme = _quantized(
+        model, args.scheme, args.group_size, calibration=calibration, embeddings=args.embeddings
+    )
+    jax.block_until_ready(model)
+    seconds = time.perf_counter() - start
+    try:
+        template = load_chat_template(args.model)
+    except CheckpointError:
+        template = None
+    out = save_pretrained(model, args.output, tokenizer=tokenizer, chat_template=template)
+    mib = sum(p.stat().st_size for p in out.glob("*.safetensors")) / 2**20
+    print(f"wrote {out}: {scheme}, {described}, in {seconds:.1f} s; weights {mib:.0f} MiB")
+    return 0
+
+
+CALIBRATION_ROW = 256
+"""Tokens per calibration sequence of `eqdel quantize` (fewer for a model whose
+positions end sooner)."""
+
+
+def _calibration_rows(ids: list[int], row: int):
+    """`ids` as rows of `row` tokens (one shorter row when there are fewer), the tokens
+    past the last whole row left out."""
+    import numpy as np
+
+    if not ids:
+        raise ValueError("the calibration text holds no tokens.")
+    row = min(row, len(ids))
+    return np.asarray(ids[: len(ids) // row * row], np.int32).reshape(-1, row)
 
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -311,6 +381,35 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=_DTYPES, default="float32")
     convert.set_defaults(run=_convert)
 
+    quantize = commands.add_parser(
+        "quantize",
+        help="write a model's linear layers quantized (GPTQ-calibrated by default) as a "
+        "checkpoint that eqdel loads, with its tokenizer and chat template",
+    )
+    quantize.add_argument("model", help="checkpoint directory (with tokenizer.json) or .gguf")
+    quantize.add_argument("output", help="output directory")
+    quantize.add_argument("--scheme", choices=("int8", "nf4", "int4"), default="int8")
+    quantize.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="inputs per scale (default: one scale per output channel for int8, 64 for NF4 "
+        "and int4)",
+    )
+    quantize.add_argument(
+        "--calibration",
+        default=None,
+        help="a text file for GPTQ to calibrate on (default: the English text shipped with "
+        "eqdel); 'none' rounds every weight to nearest",
+    )
+    quantize.add_argument(
+        "--calibration-tokens", type=int, default=1024, help="calibration tokens to use"
+    )
+    quantize.add_argument(
+        "--embeddings", action="store_true", help="the token embeddings too, as int8"
+    )
+    quantize.set_defaults(run=_quantize)
+
     finetune = commands.add_parser(
         "finetune", help="fine-tune a checkpoint on a .txt or .jsonl file (resumes)"
     )
@@ -345,8 +444,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _use_compilation_cache() -> None:
+    """Keep every program a command compiles in JAX's persistent compilation cache, under
+    eqdel's cache folder, so that running a command again skips compiling (unless a cache
+    folder is set already, as `JAX_COMPILATION_CACHE_DIR`)."""
+    import jax
+
+    from ._smollm2 import cache_dir
+
+    if jax.config.jax_compilation_cache_dir is not None:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_BYTES)
+
+
+COMPILATION_CACHE_BYTES = 2**30
+"""The most the commands' compilation cache keeps on disk; the least recently used
+programs go first."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _use_compilation_cache()
     try:
         return args.run(args)
     except ValueError as error:

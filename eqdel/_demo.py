@@ -2,6 +2,7 @@
 from GGUF, loaded sharded, asked questions, measured, LoRA-fine-tuned and asked again."""
 
 import importlib.resources
+import json
 import tempfile
 from pathlib import Path
 
@@ -48,6 +49,14 @@ def instructions_file() -> Path:
     """The small chat instruction set shipped with eqdel (JSONL, a `messages` field): it
     teaches a model to call itself Quill and to sign its answers."""
     return _data_file("instructions.jsonl")
+
+
+def calibration_text() -> str:
+    """English text shipped with eqdel other than the perplexity passages, for GPTQ to
+    calibrate on: the corpus, then the messages of the instruction set."""
+    records = [json.loads(line) for line in instructions_file().read_text().splitlines()]
+    messages = [m["content"] for record in records for m in record["messages"]]
+    return _data_file("corpus.txt").read_text() + "\n".join(messages)
 
 
 def _answer(model, tokenizer, template, question: str, max_new_tokens: int = 40) -> str:

@@ -69,24 +69,23 @@ def input_grams(
     One float32 `[in_features, in_features]` matrix per path (with the layer's leading
     dimensions).
     """
-    zeros = [
-        jnp.zeros((*w.shape[:-1], w.shape[-2]), jnp.float32)
-        for w in (get_path(model, p).weight for p in paths)
-    ]
-    return _grams(model, paths, zeros, input_ids)
+    shapes = [(*w.shape[:-1], w.shape[-2]) for w in (get_path(model, p).weight for p in paths)]
+    return _grams(model, paths, shapes, input_ids)
 
 
 @eqx.filter_jit
-def _grams(model, paths, zeros, input_ids):
+def _grams(model, paths, shapes, input_ids):
     """The model is an argument, not a closure, so its weights are not baked into the
-    compiled program as constants."""
+    compiled program as constants. The zeros that the sums are the "gradient" of are made
+    inside the program, where nothing reads them (made outside, their hundreds of
+    megabytes were written on every call)."""
 
     def total(zeros):
         probes = [_GramProbe(get_path(model, p), z) for p, z in zip(paths, zeros)]
         probed = eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, probes)
         return jnp.sum(probed(input_ids).logits.astype(jnp.float32))
 
-    return jax.grad(total)(zeros)
+    return jax.grad(total)([jnp.zeros(shape, jnp.float32) for shape in shapes])
 
 
 GPTQ_BLOCK = 32

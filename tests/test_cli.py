@@ -1,3 +1,4 @@
+import os
 import re
 import subprocess
 import sys
@@ -72,3 +73,46 @@ def test_generate_streams_text_from_a_checkpoint(tmp_path):
 
     missing = run("generate", str(tmp_path / "nowhere"), "--prompt", "w1")
     assert missing.returncode == 2 and "no tokenizer.json" in missing.stderr
+
+
+def test_quantize_writes_the_gptq_model_that_quantize_returns(tmp_path):
+    import jax.numpy as jnp
+    import numpy as np
+    from hf_reference import make_hf_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from eqdel._quant import quantization_config
+
+    words = [f"w{i}" for i in range(96)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    source = tmp_path / "float"
+    make_hf_model("llama").save_pretrained(source)
+    tokenizer.save(str(source / "tokenizer.json"))
+    ids = np.random.RandomState(3).randint(0, 96, 300)
+    (tmp_path / "calibration.txt").write_text(" ".join(words[i] for i in ids))
+    env = {**os.environ, "EQDEL_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "eqdel._cli", "quantize", str(source), str(tmp_path / "q")]
+    options = ["--scheme", "nf4", "--group-size", "16", "--calibration-tokens", "280"]
+    options += ["--calibration", str(tmp_path / "calibration.txt")]
+    out = subprocess.run([*command, *options], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "nf4 (groups of 16), GPTQ on 256 tokens of calibration.txt" in out.stdout
+
+    model = eqdel.from_pretrained(source, progress=False)
+    expected = eqdel.quantize(
+        model, 4, group_size=16, calibration=jnp.asarray(ids[:256].reshape(4, 64))
+    )
+    written = eqdel.from_pretrained(tmp_path / "q", progress=False)
+    assert (tmp_path / "q" / "tokenizer.json").exists()
+    assert quantization_config(written) == quantization_config(expected)
+    prompt = jnp.asarray([ids[:12]])
+    np.testing.assert_array_equal(written(prompt).logits, expected(prompt).logits)
+    assert any((tmp_path / "cache" / "jax").iterdir())  # the programs, compiled once
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    refused = subprocess.run(
+        [*command, "--calibration", str(empty)], capture_output=True, text=True, env=env
+    )
+    assert refused.returncode == 2 and "calibration text holds no tokens" in refused.stderr
