@@ -465,10 +465,13 @@ programs go first."""
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .checkpoint._gguf import readers_kept
+
     args = build_parser().parse_args(argv)
     _use_compilation_cache()
     try:
-        return args.run(args)
+        with readers_kept():  # a GGUF model, its tokenizer and chat template: one parse
+            return args.run(args)
     except ValueError as error:
         print(f"eqdel: error: {error}", file=sys.stderr)
         return 2

@@ -425,3 +425,22 @@ def test_gguf_without_tokenizer_or_template_is_named(tmp_path):
         eqdel.load_tokenizer(path)
     with pytest.raises(CheckpointError, match=r"m\.gguf: no chat template"):
         eqdel.load_chat_template(path)
+
+
+def test_readers_kept_parse_a_file_once_while_it_is_unchanged(tmp_path):
+    from eqdel.checkpoint._gguf import open_gguf, readers_kept
+
+    path = write_gguf(make_hf_model("llama"), tmp_path / "m.gguf", "llama")
+    assert open_gguf(path) is not open_gguf(path)  # outside the block, parsed every time
+    with readers_kept():
+        first = open_gguf(path)
+        assert open_gguf(path) is first
+        with readers_kept():  # nested: the same readers
+            assert open_gguf(tmp_path / "." / "m.gguf") is first
+        write_gguf(make_hf_model("llama", seed=1), path, "llama", tensor_type="F16")
+        again = open_gguf(path)
+        assert again is not first and open_gguf(path) is again
+        loaded = eqdel.from_pretrained(path, progress=False)
+    expected = eqdel.from_pretrained(path, progress=False)
+    ids = jnp.asarray(random_ids(1, 8))
+    np.testing.assert_array_equal(loaded(ids).logits, expected(ids).logits)
