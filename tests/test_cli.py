@@ -6,13 +6,28 @@ import sys
 import eqdel
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=300, env=None):
     return subprocess.run(
         [sys.executable, "-m", "eqdel._cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=env,
     )
+
+
+def tiny_checkpoint(directory):
+    """A random tiny Llama saved with a word-level tokenizer of `w0` to `w95`; returns the
+    words and the tokenizer."""
+    from hf_reference import make_hf_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(96)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    make_hf_model("llama").save_pretrained(directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return words, tokenizer
 
 
 def test_version():
@@ -51,15 +66,8 @@ def test_demo_shards_chats_fine_tunes_and_chats_again(smollm2_file):
 
 def test_generate_streams_text_from_a_checkpoint(tmp_path):
     import jax.numpy as jnp
-    from hf_reference import make_hf_model
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = [f"w{i}" for i in range(96)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf_model = make_hf_model("llama")
-    hf_model.save_pretrained(tmp_path)
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    _, tokenizer = tiny_checkpoint(tmp_path)
 
     out = run("generate", str(tmp_path), "--prompt", "w5 w17 w3", "--max-new-tokens", "6")
     assert out.returncode == 0, out.stderr
@@ -78,24 +86,18 @@ def test_generate_streams_text_from_a_checkpoint(tmp_path):
 def test_quantize_writes_the_gptq_model_that_quantize_returns(tmp_path):
     import jax.numpy as jnp
     import numpy as np
-    from hf_reference import make_hf_model
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     from eqdel._quant import quantization_config
 
-    words = [f"w{i}" for i in range(96)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     source = tmp_path / "float"
-    make_hf_model("llama").save_pretrained(source)
-    tokenizer.save(str(source / "tokenizer.json"))
+    words, _ = tiny_checkpoint(source)
     ids = np.random.RandomState(3).randint(0, 96, 300)
     (tmp_path / "calibration.txt").write_text(" ".join(words[i] for i in ids))
     env = {**os.environ, "EQDEL_CACHE": str(tmp_path / "cache")}
-    command = [sys.executable, "-m", "eqdel._cli", "quantize", str(source), str(tmp_path / "q")]
+    command = ["quantize", str(source), str(tmp_path / "q")]
     options = ["--scheme", "nf4", "--group-size", "16", "--calibration-tokens", "280"]
     options += ["--calibration", str(tmp_path / "calibration.txt")]
-    out = subprocess.run([*command, *options], capture_output=True, text=True, env=env)
+    out = run(*command, *options, env=env)
     assert out.returncode == 0, out.stderr
     assert "nf4 (groups of 16), GPTQ on 256 tokens of calibration.txt" in out.stdout
 
@@ -112,7 +114,5 @@ def test_quantize_writes_the_gptq_model_that_quantize_returns(tmp_path):
 
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    refused = subprocess.run(
-        [*command, "--calibration", str(empty)], capture_output=True, text=True, env=env
-    )
+    refused = run(*command, "--calibration", str(empty), env=env)
     assert refused.returncode == 2 and "calibration text holds no tokens" in refused.stderr

@@ -105,7 +105,8 @@ def readers_kept():
     header of a file with a 49,152-token vocabulary, and loading a model, its tokenizer
     and its chat template each open the file; the reader holds about 160 MB, given back
     when the block ends."""
-    token = _KEPT_READERS.set({} if _KEPT_READERS.get() is None else _KEPT_READERS.get())
+    outer = _KEPT_READERS.get()
+    token = _KEPT_READERS.set({} if outer is None else outer)
     try:
         yield
     finally:
