@@ -277,6 +277,97 @@ def test_a_compiler_that_fails_leaves_products_with_xla(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "false")
     monkeypatch.setenv("EQDEL_CPU_KERNELS", "1")
     with pytest.warns(UserWarning, match="CPU kernels are unavailable"):
-        assert not _few_rows.available.__wrapped__()
+        assert _few_rows._library.__wrapped__() is None
     monkeypatch.setenv("EQDEL_CPU_KERNELS", "0")
-    assert not _few_rows.available.__wrapped__()
+    assert _few_rows._library.__wrapped__() is None
+
+
+needs_openblas = pytest.mark.skipif(
+    not _few_rows.gemm_available(), reason="float32 products of many rows need scipy-openblas32"
+)
+
+
+# (rows, inputs, outputs): more rows than outputs (split by rows), more outputs than rows
+# (split by columns), sizes that are not whole vectors, and the fewest rows it takes.
+GEMM_SHAPES = [(300, 96, 40), (17, 37, 1000), (129, 1, 33), (64, 200, 64)]
+
+
+@needs_openblas
+@pytest.mark.parametrize("rows, n_in, n_out", GEMM_SHAPES)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_many_float32_rows_give_the_product_through_openblas(
+    getkey, rows, n_in, n_out, transposed
+):
+    x = jax.random.normal(getkey(), (rows, n_in), jnp.float32)
+    weight = jax.random.normal(getkey(), (n_in, n_out), jnp.float32)
+    stored = weight.T if transposed else weight
+    product = functools.partial(matmul, transposed=transposed)
+    assert "eqdel_gemm" in str(jax.make_jaxpr(product)(x, stored))
+    out = jax.jit(product)(x, stored)
+    np.testing.assert_allclose(np.asarray(out), _float64_product(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@needs_openblas
+@pytest.mark.parametrize("transposed", [False, True])
+def test_openblas_gradients_of_any_order_equal_xlas(getkey, monkeypatch, transposed):
+    """First and second derivatives through the OpenBLAS product (its gradients are
+    OpenBLAS products too) equal those through XLA's."""
+    x = jax.random.normal(getkey(), (40, 24), jnp.float32)
+    weight = jax.random.normal(getkey(), (24, 56) if not transposed else (56, 24))
+    direction = jax.random.normal(getkey(), weight.shape)
+
+    def loss(x, weight):
+        return jnp.sum(jnp.sin(matmul(x, weight, transposed=transposed)))
+
+    def derivatives(x, weight):
+        first = jax.grad(loss, argnums=(0, 1))(x, weight)
+
+        def along(x, weight):  # the weight's gradient along `direction`
+            return jnp.vdot(jax.grad(loss, argnums=1)(x, weight), direction)
+
+        return first, jax.grad(along, argnums=(0, 1))(x, weight)
+
+    got = jax.jit(derivatives)(x, weight)
+    assert "eqdel_gemm" in str(jax.make_jaxpr(derivatives)(x, weight))
+    monkeypatch.setattr(_few_rows, "gemm_usable", lambda rows, weight: False)
+    want = jax.jit(derivatives)(x, weight)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@needs_openblas
+def test_the_dots_remat_policies_save_openblas_products(getkey):
+    """Under a dots policy a layer's OpenBLAS product is saved for the backward pass (one
+    forward and two gradient products), not recomputed; under `full` it is recomputed."""
+    from eqdel.nn._stacked import REMAT_POLICIES
+
+    x = jax.random.normal(getkey(), (32, 24), jnp.float32)
+    weight = jax.random.normal(getkey(), (24, 24), jnp.float32)
+
+    def products(policy: str) -> int:
+        layer = jax.checkpoint(lambda x, w: jnp.sum(jnp.tanh(matmul(x, w)) ** 2), policy=policy)
+        text = jax.jit(jax.value_and_grad(layer, argnums=(0, 1))).lower(x, weight).as_text()
+        return text.count("custom_call @eqdel_gemm(")
+
+    for name in ("dots_saveable", "checkpoint_dots", "dots_with_no_batch_dims_saveable"):
+        assert products(REMAT_POLICIES[name]) == 3, name
+    assert products(REMAT_POLICIES["full"]) == 4
+
+
+@needs_openblas
+def test_a_model_through_openblas_gives_xlas_logits_and_loss_gradient(monkeypatch):
+    model = LlamaForCausalLM(TINY_LLAMA, key=jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 24), 0, TINY_LLAMA.vocab_size)
+
+    def loss(model):
+        logits = model(ids).logits
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), logits
+
+    run = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+    assert "eqdel_gemm" in str(eqx.filter_make_jaxpr(loss)(model)[0])
+    (_, got_logits), got_grads = run(model)
+    monkeypatch.setattr(_few_rows, "gemm_usable", lambda rows, weight: False)
+    (_, want_logits), want_grads = run(model)
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

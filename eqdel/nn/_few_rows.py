@@ -1,5 +1,6 @@
-"""Products of a few rows with a weight on CPU, and a decode step's attention on its
-cache as stored, through the kernels of `few_rows.cc`.
+"""Products of a few rows with a weight on CPU, a decode step's attention on its cache
+as stored, and float32 products of many rows through OpenBLAS, by the kernels of
+`few_rows.cc`.
 
 A decode step multiplies one row per sequence by every weight. XLA's CPU backend reads
 a 16-bit or quantized weight there only as a float32 copy it makes once, before the
@@ -7,7 +8,10 @@ decode loop, so bfloat16, int8 and 4-bit models decode no faster than float32. T
 kernels read each weight as stored and convert in registers. They are opt-in
 (`EQDEL_CPU_KERNELS=1`): compiled on first use with the system's C++ compiler into
 eqdel's cache folder; without the variable, or without a compiler, every product stays
-with XLA.
+with XLA. Products of more rows (prefill, training) run in float32 through OpenBLAS's
+single-threaded kernels on XLA's threads where the `scipy-openblas32` package is
+installed (`pip install eqdel[cpu]`): on a transformer's shapes they reach more of the
+CPU's float32 peak than XLA's own.
 """
 
 import ctypes
@@ -24,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int8, UInt8
 
 MAX_ROWS = 16
@@ -39,7 +44,12 @@ _TARGETS = {
     "eqdel_few_rows_int4": "EqdelFewRowsInt4",
     "eqdel_few_rows_nf4": "EqdelFewRowsNF4",
     "eqdel_attention": "EqdelAttention",
+    "eqdel_gemm": "EqdelGemm",
 }
+
+GEMM_NAME = "eqdel_gemm"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of every OpenBLAS product's output, so
+that the remat policies that save matrix products save these too."""
 
 
 def _compiled(compiler: str) -> Path:
@@ -64,12 +74,12 @@ def _compiled(compiler: str) -> Path:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the kernels are asked for (`EQDEL_CPU_KERNELS=1`), compiled and registered
-    with XLA's CPU backend (once per process; a failure warns once and leaves every
-    product with XLA)."""
+def _library() -> ctypes.CDLL | None:
+    """The kernels' library, compiled and its kernels registered with XLA's CPU backend
+    once per process; `None` when not asked for, or after warning once that it cannot
+    be built."""
     if os.environ.get("EQDEL_CPU_KERNELS") != "1" or jax.default_backend() != "cpu":
-        return False
+        return None
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     try:
         if compiler is None:
@@ -78,12 +88,44 @@ def available() -> bool:
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", None) or error
         message = f"eqdel's CPU kernels are unavailable, XLA runs every product: {detail}"
-        warnings.warn(message, stacklevel=2)
-        return False
+        warnings.warn(message, stacklevel=3)
+        return None
     for name, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(
             name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu"
         )
+    return library
+
+
+def available() -> bool:
+    """Whether the kernels are asked for (`EQDEL_CPU_KERNELS=1`), compiled and registered
+    with XLA's CPU backend (once per process; a failure warns once and leaves every
+    product with XLA)."""
+    return _library() is not None
+
+
+@functools.cache
+def gemm_available() -> bool:
+    """Whether float32 products of many rows may run through OpenBLAS: the kernels are
+    available and the `scipy-openblas32` package is installed. Its library is loaded
+    once, kept to one thread (XLA's threads each run a block of a product), and handed
+    to the kernels."""
+    library = _library()
+    if library is None:
+        return False
+    try:
+        import scipy_openblas32
+    except ImportError:
+        return False
+    name = f"lib{scipy_openblas32.get_library()}"
+    found = sorted(Path(scipy_openblas32.get_lib_dir()).glob(f"{name}.*"))
+    shared = [path for path in found if path.suffix in (".so", ".dylib", ".dll")]
+    if not shared:
+        return False
+    blas = ctypes.CDLL(str(shared[0]))
+    blas.scipy_openblas_set_num_threads(1)
+    sgemm = ctypes.cast(blas.scipy_cblas_sgemm, ctypes.c_void_p)
+    library.eqdel_set_sgemm(sgemm)
     return True
 
 
@@ -96,6 +138,18 @@ def usable(rows: Array, weight: Array) -> bool:
         and rows.dtype == jnp.float32
         and weight.ndim == 2
         and available()
+    )
+
+
+def gemm_usable(rows: Array, weight: Array) -> bool:
+    """Whether `rows @ weight` runs through OpenBLAS: more than `MAX_ROWS` float32 rows,
+    a 2-D float32 weight, and OpenBLAS available (`gemm_available`)."""
+    return (
+        rows.ndim == 2
+        and rows.shape[0] > MAX_ROWS
+        and rows.dtype == weight.dtype == jnp.float32
+        and weight.ndim == 2
+        and gemm_available()
     )
 
 
@@ -189,6 +243,45 @@ def int8_transposed(
         return _call(target, rows, codes.shape[0], codes, scales, group=group_size)
 
     return _with_reference_gradient(kernel, reference)(rows, codes, scales)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _gemm(a: Array, b: Array, transpose_a: bool, transpose_b: bool) -> Array:
+    rows = a.shape[1] if transpose_a else a.shape[0]
+    columns = b.shape[0] if transpose_b else b.shape[1]
+    flags = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+    return _ffi("eqdel_gemm", (rows, columns), a, b, **flags)
+
+
+def _gemm_forward(a, b, transpose_a, transpose_b):
+    return _gemm(a, b, transpose_a, transpose_b), (a, b)
+
+
+def _gemm_backward(transpose_a, transpose_b, operands, grad):
+    """The operands' gradients, each an OpenBLAS product too (so differentiable again)."""
+    a, b = operands
+    if transpose_a:  # a is stored [depth, rows]: its gradient is op(b) @ gradᵀ
+        grad_a = _gemm(b, grad, transpose_b, True)
+    else:
+        grad_a = _gemm(grad, b, False, not transpose_b)
+    if transpose_b:  # b is stored [columns, depth]: its gradient is gradᵀ @ op(a)
+        grad_b = _gemm(grad, a, True, transpose_a)
+    else:
+        grad_b = _gemm(a, grad, not transpose_a, False)
+    return grad_a, grad_b
+
+
+_gemm.defvjp(_gemm_forward, _gemm_backward)
+
+
+def gemm(
+    rows: Float[Array, "rows in_features"],
+    weight: Float[Array, "in_features out_features"] | Float[Array, "out_features in_features"],
+    transposed: bool,
+) -> Float[Array, "rows out_features"]:
+    """`rows @ weight` (`rows @ weight.T` when `transposed`) in float32 through OpenBLAS,
+    its gradients too, the output named `GEMM_NAME` for the remat policies."""
+    return checkpoint_name(_gemm(rows, weight, False, transposed), GEMM_NAME)
 
 
 def _padded(rows: Array, columns: int) -> Array:

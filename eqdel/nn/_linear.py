@@ -92,7 +92,8 @@ def matmul(
     [`eqdel.nn.activation_dtype`][]) are rounded to the weight's dtype and the product
     returned in float32. With `EQDEL_CPU_KERNELS=1`, up to 16 float32 rows (a decode
     step) run through a kernel that reads the weight as stored, where XLA would read a
-    16-bit weight as a float32 copy.
+    16-bit weight as a float32 copy, and more float32 rows with a float32 weight through
+    OpenBLAS where it is installed.
     Other backends keep `x @ weight` as written: on a mesh that shards both `batch` and
     `seq`, the flattened form partitions with more collectives.
 
@@ -112,6 +113,8 @@ def matmul(
     product = functools.partial(_xla_product, transposed=transposed)
     if weight.dtype in (jnp.float32, jnp.bfloat16) and _few_rows.usable(rows, weight):
         rows = _few_rows.dense(rows, weight, transposed, product)
+    elif _few_rows.gemm_usable(rows, weight):
+        rows = _few_rows.gemm(rows, weight, transposed)
     else:
         rows = product(rows, weight)
     return rows.reshape(*x.shape[:-1], rows.shape[-1])

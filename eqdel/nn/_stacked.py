@@ -7,6 +7,7 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from .._unstack import unstack_layers as unstack_layers
+from ._few_rows import GEMM_NAME
 from ._scan_bits import read_scanned, scanned_form
 
 
@@ -27,17 +28,27 @@ def stack_layers(make: Callable[[PRNGKeyArray], eqx.Module], key: PRNGKeyArray, 
     return eqx.filter_vmap(make)(jax.random.split(key, count))
 
 
+def _and_gemms(policy: Callable) -> Callable:
+    """`policy`, also saving the outputs of the products that run through OpenBLAS
+    (custom calls, which the dots policies do not recognise as products)."""
+    gemms = jax.checkpoint_policies.save_only_these_names(GEMM_NAME)
+    return jax.checkpoint_policies.save_from_both_policies(policy, gemms)
+
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_with_no_batch_dims_saveable": (jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "dots_saveable": _and_gemms(jax.checkpoint_policies.dots_saveable),
+    "checkpoint_dots": _and_gemms(jax.checkpoint_policies.checkpoint_dots),
+    "dots_with_no_batch_dims_saveable": _and_gemms(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    ),
 }
 """Rematerialisation policy names and the `jax.checkpoint_policies` they mean (`none`:
-store every activation; `full`: recompute each layer in the backward pass)."""
+store every activation; `full`: recompute each layer in the backward pass). The dots
+policies also save the float32 products that run through OpenBLAS."""
 
 
 def run_layers(
