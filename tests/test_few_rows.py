@@ -309,36 +309,29 @@ def test_many_float32_rows_give_the_product_through_openblas(
 
 @needs_openblas
 @pytest.mark.parametrize("transposed", [False, True])
-def test_openblas_gradients_of_any_order_equal_xlas(getkey, monkeypatch, transposed):
-    """First and second derivatives through the OpenBLAS product (its gradients are
-    OpenBLAS products too) equal those through XLA's."""
+def test_openblas_products_differentiate_as_xlas(getkey, monkeypatch, transposed):
     x = jax.random.normal(getkey(), (40, 24), jnp.float32)
     weight = jax.random.normal(getkey(), (24, 56) if not transposed else (56, 24))
-    direction = jax.random.normal(getkey(), weight.shape)
 
     def loss(x, weight):
         return jnp.sum(jnp.sin(matmul(x, weight, transposed=transposed)))
 
-    def derivatives(x, weight):
-        first = jax.grad(loss, argnums=(0, 1))(x, weight)
+    def gradients():  # traced afresh for each route
+        return jax.jit(lambda x, weight: jax.grad(loss, argnums=(0, 1))(x, weight))
 
-        def along(x, weight):  # the weight's gradient along `direction`
-            return jnp.vdot(jax.grad(loss, argnums=1)(x, weight), direction)
-
-        return first, jax.grad(along, argnums=(0, 1))(x, weight)
-
-    got = jax.jit(derivatives)(x, weight)
-    assert "eqdel_gemm" in str(jax.make_jaxpr(derivatives)(x, weight))
+    got = gradients()(x, weight)
+    assert "eqdel_gemm" in gradients().lower(x, weight).as_text()
     monkeypatch.setattr(_few_rows, "gemm_usable", lambda rows, weight: False)
-    want = jax.jit(derivatives)(x, weight)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert "eqdel_gemm" not in gradients().lower(x, weight).as_text()
+    want = gradients()(x, weight)
+    for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
 @needs_openblas
 def test_the_dots_remat_policies_save_openblas_products(getkey):
-    """Under a dots policy a layer's OpenBLAS product is saved for the backward pass (one
-    forward and two gradient products), not recomputed; under `full` it is recomputed."""
+    """Under a dots policy a layer's OpenBLAS product is saved for the backward pass, not
+    recomputed; under `full` it is recomputed (the gradients are XLA's products)."""
     from eqdel.nn._stacked import REMAT_POLICIES
 
     x = jax.random.normal(getkey(), (32, 24), jnp.float32)
@@ -350,8 +343,8 @@ def test_the_dots_remat_policies_save_openblas_products(getkey):
         return text.count("custom_call @eqdel_gemm(")
 
     for name in ("dots_saveable", "checkpoint_dots", "dots_with_no_batch_dims_saveable"):
-        assert products(REMAT_POLICIES[name]) == 3, name
-    assert products(REMAT_POLICIES["full"]) == 4
+        assert products(REMAT_POLICIES[name]) == 1, name
+    assert products(REMAT_POLICIES["full"]) == 2
 
 
 @needs_openblas
@@ -363,10 +356,16 @@ def test_a_model_through_openblas_gives_xlas_logits_and_loss_gradient(monkeypatc
         logits = model(ids).logits
         return jnp.mean(jax.nn.logsumexp(logits, axis=-1)), logits
 
-    run = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+    def run(model):  # a new function, so traced afresh for each route
+        def fresh(model):
+            return loss(model)
+
+        return eqx.filter_jit(eqx.filter_value_and_grad(fresh, has_aux=True))(model)
+
     assert "eqdel_gemm" in str(eqx.filter_make_jaxpr(loss)(model)[0])
     (_, got_logits), got_grads = run(model)
     monkeypatch.setattr(_few_rows, "gemm_usable", lambda rows, weight: False)
+    assert "eqdel_gemm" not in str(eqx.filter_make_jaxpr(loss)(model)[0])
     (_, want_logits), want_grads = run(model)
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):

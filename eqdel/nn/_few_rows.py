@@ -8,10 +8,10 @@ decode loop, so bfloat16, int8 and 4-bit models decode no faster than float32. T
 kernels read each weight as stored and convert in registers. They are opt-in
 (`EQDEL_CPU_KERNELS=1`): compiled on first use with the system's C++ compiler into
 eqdel's cache folder; without the variable, or without a compiler, every product stays
-with XLA. Products of more rows (prefill, training) run in float32 through OpenBLAS's
-single-threaded kernels on XLA's threads where the `scipy-openblas32` package is
-installed (`pip install eqdel[cpu]`): on a transformer's shapes they reach more of the
-CPU's float32 peak than XLA's own.
+with XLA. Products of more float32 rows (prefill, a training step's forward pass) run
+through OpenBLAS's single-threaded kernels on XLA's threads where the `scipy-openblas32`
+package is installed (`pip install "eqdel[cpu]"`): on a transformer's shapes they reach
+more of the CPU's float32 peak than XLA's own.
 """
 
 import ctypes
@@ -245,43 +245,24 @@ def int8_transposed(
     return _with_reference_gradient(kernel, reference)(rows, codes, scales)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _gemm(a: Array, b: Array, transpose_a: bool, transpose_b: bool) -> Array:
-    rows = a.shape[1] if transpose_a else a.shape[0]
-    columns = b.shape[0] if transpose_b else b.shape[1]
-    flags = dict(transpose_a=transpose_a, transpose_b=transpose_b)
-    return _ffi("eqdel_gemm", (rows, columns), a, b, **flags)
-
-
-def _gemm_forward(a, b, transpose_a, transpose_b):
-    return _gemm(a, b, transpose_a, transpose_b), (a, b)
-
-
-def _gemm_backward(transpose_a, transpose_b, operands, grad):
-    """The operands' gradients, each an OpenBLAS product too (so differentiable again)."""
-    a, b = operands
-    if transpose_a:  # a is stored [depth, rows]: its gradient is op(b) @ gradᵀ
-        grad_a = _gemm(b, grad, transpose_b, True)
-    else:
-        grad_a = _gemm(grad, b, False, not transpose_b)
-    if transpose_b:  # b is stored [columns, depth]: its gradient is gradᵀ @ op(a)
-        grad_b = _gemm(grad, a, True, transpose_a)
-    else:
-        grad_b = _gemm(a, grad, not transpose_a, False)
-    return grad_a, grad_b
-
-
-_gemm.defvjp(_gemm_forward, _gemm_backward)
-
-
 def gemm(
     rows: Float[Array, "rows in_features"],
     weight: Float[Array, "in_features out_features"] | Float[Array, "out_features in_features"],
     transposed: bool,
 ) -> Float[Array, "rows out_features"]:
     """`rows @ weight` (`rows @ weight.T` when `transposed`) in float32 through OpenBLAS,
-    its gradients too, the output named `GEMM_NAME` for the remat policies."""
-    return checkpoint_name(_gemm(rows, weight, False, transposed), GEMM_NAME)
+    differentiated as XLA's product, the output named `GEMM_NAME` for the remat
+    policies."""
+
+    def kernel(rows, weight):
+        out_features = weight.shape[0 if transposed else 1]
+        return _call("eqdel_gemm", rows, out_features, weight, transposed=transposed)
+
+    def reference(rows, weight):
+        return rows @ (weight.T if transposed else weight)
+
+    product = _with_reference_gradient(kernel, reference)
+    return checkpoint_name(product(rows, weight), GEMM_NAME)
 
 
 def _padded(rows: Array, columns: int) -> Array:

@@ -777,42 +777,41 @@ using Sgemm = void (*)(int order, int transpose_a, int transpose_b, int m, int n
 Sgemm sgemm = nullptr;
 constexpr int kRowMajor = 101, kNoTranspose = 111, kTranspose = 112;
 
-// c[m, n] = op(a) @ op(b), op transposing a stored operand when asked. OpenBLAS's kernels
-// reach more of this CPU's float32 peak than XLA's on a transformer's shapes. The output
-// is cut into one block per thread of XLA's pool, along its rows or, when it has more
-// columns, along its columns (whole vectors of 16), and each block is one
-// single-threaded sgemm, so that no second thread pool competes with XLA's.
-ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
-                    ffi::ResultBuffer<ffi::F32> c, int64_t transpose_a, int64_t transpose_b) {
+// y[rows, out] = x @ w (x @ wᵀ for a weight stored [out, in]). OpenBLAS's kernels reach
+// more of this CPU's float32 peak than XLA's on a transformer's shapes. The output is cut
+// into one block per thread of XLA's pool, along its rows or, when it has more columns,
+// along its columns (whole vectors of 16), and each block is one single-threaded sgemm,
+// so that no second thread pool competes with XLA's.
+ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                    ffi::ResultBuffer<ffi::F32> y, int64_t transposed_weight) {
   if (sgemm == nullptr) return ffi::Error::Internal("gemm: OpenBLAS is not loaded");
-  const int64_t m = c->dimensions()[0], n = c->dimensions()[1];
-  const int64_t k = a.dimensions()[transpose_a ? 0 : 1];
-  const int64_t lda = a.dimensions()[1], ldb = b.dimensions()[1];
-  if (std::max({m, n, k, lda, ldb}) > INT_MAX)
+  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t out = y->dimensions()[1], ldw = w.dimensions()[1];
+  if (std::max({rows, in, out, ldw}) > INT_MAX)
     return ffi::Error::InvalidArgument("gemm: a dimension exceeds 32-bit BLAS indices");
-  float* cd = c->typed_data();
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  if (k == 0) {
-    std::fill(cd, cd + m * n, 0.0f);
+  float* yd = y->typed_data();
+  if (rows == 0 || out == 0) return ffi::Error::Success();
+  if (in == 0) {
+    std::fill(yd, yd + rows * out, 0.0f);
     return ffi::Error::Success();
   }
-  const float* ad = a.typed_data();
-  const float* bd = b.typed_data();
-  const int ta = transpose_a ? kTranspose : kNoTranspose;
-  const int tb = transpose_b ? kTranspose : kNoTranspose;
-  const bool by_rows = m >= n;
-  const int64_t extent = by_rows ? m : n;
+  const float* xd = x.typed_data();
+  const float* wd = w.typed_data();
+  const int tw = transposed_weight ? kTranspose : kNoTranspose;
+  const bool by_rows = rows >= out;
+  const int64_t extent = by_rows ? rows : out;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t block = (extent + threads * kLanes - 1) / (threads * kLanes) * kLanes;
   const int64_t blocks = (extent + block - 1) / block;
   parallel_for(pool, blocks, [&](int64_t t) {
     const int64_t start = t * block, size = std::min(extent, start + block) - start;
     if (by_rows) {
-      const float* at = ad + (transpose_a ? start : start * lda);
-      sgemm(kRowMajor, ta, tb, size, n, k, 1.0f, at, lda, bd, ldb, 0.0f, cd + start * n, n);
+      sgemm(kRowMajor, kNoTranspose, tw, size, out, in, 1.0f, xd + start * in, in, wd, ldw,
+            0.0f, yd + start * out, out);
     } else {
-      const float* bt = bd + (transpose_b ? start * ldb : start);
-      sgemm(kRowMajor, ta, tb, m, size, k, 1.0f, ad, lda, bt, ldb, 0.0f, cd + start, n);
+      const float* ws = wd + (transposed_weight ? start * ldw : start);
+      sgemm(kRowMajor, kNoTranspose, tw, rows, size, in, 1.0f, xd, in, ws, ldw, 0.0f,
+            yd + start, out);
     }
   });
   return ffi::Error::Success();
@@ -828,8 +827,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelGemm, GemmImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("transpose_a")
-                                  .Attr<int64_t>("transpose_b"));
+                                  .Attr<int64_t>("transposed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelFewRowsF32, F32Impl,
                               ffi::Ffi::Bind()
