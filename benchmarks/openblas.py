@@ -1,7 +1,8 @@
 """Float32 products of many rows through OpenBLAS against XLA's own, in one process and
 alternating: each product of SmolLM2-135M's prefill shapes alone, then the model's
 prefill and AdamW train step (4 x 256 tokens) with every linear layer's and the head's
-forward products routed either way (their gradients are XLA's products). Needs
+forward products, and attention's outside differentiation, routed either way (their
+gradients are XLA's products). Needs
 `EQDEL_CPU_KERNELS=1` and `pip install "eqdel[cpu]"`.
 
     EQDEL_CPU_KERNELS=1 python benchmarks/openblas.py [--model FILE.gguf] [--repeats 10]
@@ -33,7 +34,7 @@ PRODUCTS = [
 ]
 
 
-def _xla_off(rows, weight) -> bool:
+def _off(a, b) -> bool:
     return False
 
 
@@ -76,17 +77,19 @@ def model_steps(path: Path, repeats: int) -> dict:
         path, dtype="float32", progress=False, remat_policy="dots_with_no_batch_dims_saveable"
     )
     optimizer = optax.adamw(1e-5)
-    through_blas = _few_rows.gemm_usable
+    routes = {name: getattr(_few_rows, name) for name in ("gemm_usable", "batched_gemm_usable")}
     forwards, steps, states, losses = {}, {}, {}, {"xla": [], "openblas": []}
     for route in ("xla", "openblas"):  # each traced with its products' route
-        _few_rows.gemm_usable = through_blas if route == "openblas" else _xla_off
+        for name, usable in routes.items():
+            setattr(_few_rows, name, usable if route == "openblas" else _off)
         forwards[route] = jax.jit(lambda model, ids: model(ids).logits)
         forwards[route](model, ids).block_until_ready()
         steps[route] = make_train_step(causal_lm_loss, optimizer)
         own = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, model)
         states[route] = init_train_state(own, optimizer, jax.random.key(0))
         states[route], _ = steps[route](states[route], batch)  # compiles it
-    _few_rows.gemm_usable = through_blas
+    for name, usable in routes.items():
+        setattr(_few_rows, name, usable)
     gap = float(jnp.max(jnp.abs(forwards["xla"](model, ids) - forwards["openblas"](model, ids))))
 
     def step(route):

@@ -365,8 +365,39 @@ def test_a_model_through_openblas_gives_xlas_logits_and_loss_gradient(monkeypatc
     assert "eqdel_gemm" in str(eqx.filter_make_jaxpr(loss)(model)[0])
     (_, got_logits), got_grads = run(model)
     monkeypatch.setattr(_few_rows, "gemm_usable", lambda rows, weight: False)
+    monkeypatch.setattr(_few_rows, "batched_gemm_usable", lambda a, b: False)
     assert "eqdel_gemm" not in str(eqx.filter_make_jaxpr(loss)(model)[0])
     (_, want_logits), want_grads = run(model)
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@needs_openblas
+@pytest.mark.parametrize("case", [(2, 24, 6, 2, 16, 40, 0), (1, 9, 4, 4, 8, 9, 3)])
+def test_prefill_attention_runs_through_openblas_unless_differentiated(getkey, monkeypatch, case):
+    """Attention over more tokens than a decode step takes its two products through
+    OpenBLAS, with XLA's output; differentiated, it is XLA's products throughout."""
+    query, keys, values, mask = _attention_inputs(getkey(), *case)
+    cotangent = jax.random.normal(getkey(), query.shape, jnp.float32)
+
+    def programs():  # new functions, so traced afresh for each route
+        def attend(query, keys, values):
+            return vanilla_attention(query, keys, values, mask, scale=0.3)
+
+        def loss(*operands):
+            return jnp.sum(attend(*operands) * cotangent)
+
+        return jax.jit(attend), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+    attend, gradients = programs()
+    operands = (query, keys, values)
+    assert attend.lower(*operands).as_text().count("custom_call @eqdel_gemm(") == 2
+    assert "eqdel_gemm" not in gradients.lower(*operands).as_text()
+    got, got_gradients = attend(*operands), gradients(*operands)
+    monkeypatch.setattr(_few_rows, "batched_gemm_usable", lambda a, b: False)
+    attend, gradients = programs()
+    assert "eqdel_gemm" not in attend.lower(*operands).as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attend(*operands)), atol=1e-5)
+    for a, b in zip(got_gradients, gradients(*operands)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

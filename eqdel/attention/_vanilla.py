@@ -59,15 +59,30 @@ def _attention(query, key, value, mask: AttentionMask, *, scale: float, soft_cap
     grouped = grouped.reshape(batch, kv_heads, group * q_len, head_dim)
     key = key.transpose(0, 2, 1, 3)
     value = value.transpose(0, 2, 1, 3)
-    f32 = jnp.float32  # accumulating 16-bit products in float32 is also what is fast on CPU
-    scores = jnp.einsum("bkqd,bksd->bkqs", grouped, key, preferred_element_type=f32) * scale
+    scores = _per_head_product(grouped, key, transpose_b=True) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = scores.reshape(batch, kv_heads, group, q_len, kv_len)
     scores = jnp.where(mask.dense()[:, None, None, :, :], scores, DEFAULT_MASK_VALUE)
     weights = jax.nn.softmax(scores, axis=-1).astype(value.dtype)
     weights = weights.reshape(batch, kv_heads, group * q_len, kv_len)
-    out = jnp.einsum("bkqs,bksd->bkqd", weights, value, preferred_element_type=f32)
-    out = out.astype(query.dtype)
+    out = _per_head_product(weights, value, transpose_b=False).astype(query.dtype)
     out = out.reshape(batch, kv_heads, group, q_len, head_dim).transpose(0, 3, 1, 2, 4)
     return out.reshape(batch, q_len, heads, head_dim)
+
+
+def _per_head_product(
+    a: Float[Array, "batch kv_heads rows depth"],
+    b: Float[Array, "batch kv_heads depth columns"] | Float[Array, "batch kv_heads columns depth"],
+    transpose_b: bool,
+) -> Float[Array, "batch kv_heads rows columns"]:
+    """`a @ b` (`a @ bᵀ` when `transpose_b`) for each sequence and key/value head,
+    accumulated in float32 (for 16-bit inputs, also what is fast on CPU); for float32
+    inputs through OpenBLAS where eqdel's CPU kernels have it and it is not
+    differentiated (prefill, evaluation)."""
+    from ..nn import _few_rows  # eqdel.nn imports this package
+
+    if _few_rows.batched_gemm_usable(a, b):
+        return _few_rows.batched_gemm(a, b, transpose_b)
+    spec = "bkqd,bksd->bkqs" if transpose_b else "bkqs,bksd->bkqd"
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)

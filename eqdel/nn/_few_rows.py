@@ -17,6 +17,7 @@ more of the CPU's float32 peak than XLA's own.
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -153,6 +154,12 @@ def gemm_usable(rows: Array, weight: Array) -> bool:
     )
 
 
+def batched_gemm_usable(a: Array, b: Array) -> bool:
+    """Whether a product of two float32 batches of matrices (any leading dimensions) runs
+    through OpenBLAS where it is not differentiated (`batched_gemm`)."""
+    return a.ndim == b.ndim >= 3 and a.dtype == b.dtype == jnp.float32 and gemm_available()
+
+
 def _ffi(target: str, shape: tuple[int, ...], *operands, **attributes) -> Array:
     """Kernel `target`'s float32 result of `shape`; float attributes pass as float32,
     the others as int64."""
@@ -263,6 +270,42 @@ def gemm(
 
     product = _with_reference_gradient(kernel, reference)
     return checkpoint_name(product(rows, weight), GEMM_NAME)
+
+
+def batched_gemm(
+    a: Float[Array, "*batch rows depth"],
+    b: Float[Array, "*batch depth columns"] | Float[Array, "*batch columns depth"],
+    transpose_b: bool,
+) -> Float[Array, "*batch rows columns"]:
+    """`a @ b` (`a @ bᵀ` when `transpose_b`) for each matrix of the leading dimensions, in
+    float32 through OpenBLAS where it is not differentiated; under differentiation,
+    forward and gradient are XLA's product (with OpenBLAS's forward, attention's backward
+    pass ran slower)."""
+    spec = "...qd,...sd->...qs" if transpose_b else "...qs,...sd->...qd"
+
+    def reference(a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+    @jax.custom_vjp
+    def product(a, b):
+        columns = b.shape[-2 if transpose_b else -1]
+        flat = _ffi(
+            "eqdel_gemm",
+            (math.prod(a.shape[:-2]), a.shape[-2], columns),
+            a.reshape(-1, *a.shape[-2:]),
+            b.reshape(-1, *b.shape[-2:]),
+            transposed=transpose_b,
+        )
+        return flat.reshape(*a.shape[:-1], columns)
+
+    def forward(a, b):
+        return reference(a, b), (a, b)
+
+    def backward(operands, grad):
+        return jax.vjp(reference, *operands)[1](grad)
+
+    product.defvjp(forward, backward)
+    return product(a, b)
 
 
 def _padded(rows: Array, columns: int) -> Array:

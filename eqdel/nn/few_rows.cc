@@ -777,22 +777,29 @@ using Sgemm = void (*)(int order, int transpose_a, int transpose_b, int m, int n
 Sgemm sgemm = nullptr;
 constexpr int kRowMajor = 101, kNoTranspose = 111, kTranspose = 112;
 
-// y[rows, out] = x @ w (x @ wᵀ for a weight stored [out, in]). OpenBLAS's kernels reach
-// more of this CPU's float32 peak than XLA's on a transformer's shapes. The output is cut
-// into one block per thread of XLA's pool, along its rows or, when it has more columns,
-// along its columns (whole vectors of 16), and each block is one single-threaded sgemm,
-// so that no second thread pool competes with XLA's.
+// y[rows, out] = x @ w (x @ wᵀ for a weight stored [out, in]), or the same for each
+// matrix of a batch (every operand with one leading dimension more). OpenBLAS's kernels
+// reach more of this CPU's float32 peak than XLA's on a transformer's shapes. Each matrix
+// of the output is cut into enough blocks to give every thread of XLA's pool work, along
+// its rows or, when it has more columns, along its columns (whole vectors of 16), and
+// each block is one single-threaded sgemm, so that no second thread pool competes with
+// XLA's.
 ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                     ffi::ResultBuffer<ffi::F32> y, int64_t transposed_weight) {
   if (sgemm == nullptr) return ffi::Error::Internal("gemm: OpenBLAS is not loaded");
-  const int64_t rows = x.dimensions()[0], in = x.dimensions()[1];
-  const int64_t out = y->dimensions()[1], ldw = w.dimensions()[1];
+  const auto xs = x.dimensions(), ws = w.dimensions(), ys = y->dimensions();
+  const size_t rank = ys.size();
+  if (rank < 2 || rank > 3 || xs.size() != rank || ws.size() != rank)
+    return ffi::Error::InvalidArgument("gemm: operands must be matrices or one batch of them");
+  const int64_t batch = rank == 3 ? ys[0] : 1;
+  const int64_t rows = xs[rank - 2], in = xs[rank - 1];
+  const int64_t out = ys[rank - 1], ldw = ws[rank - 1];
   if (std::max({rows, in, out, ldw}) > INT_MAX)
     return ffi::Error::InvalidArgument("gemm: a dimension exceeds 32-bit BLAS indices");
   float* yd = y->typed_data();
-  if (rows == 0 || out == 0) return ffi::Error::Success();
+  if (batch == 0 || rows == 0 || out == 0) return ffi::Error::Success();
   if (in == 0) {
-    std::fill(yd, yd + rows * out, 0.0f);
+    std::fill(yd, yd + batch * rows * out, 0.0f);
     return ffi::Error::Success();
   }
   const float* xd = x.typed_data();
@@ -801,17 +808,22 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const bool by_rows = rows >= out;
   const int64_t extent = by_rows ? rows : out;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t block = (extent + threads * kLanes - 1) / (threads * kLanes) * kLanes;
+  const int64_t per_matrix = std::min(extent, (threads + batch - 1) / batch);
+  const int64_t block = (extent + per_matrix * kLanes - 1) / (per_matrix * kLanes) * kLanes;
   const int64_t blocks = (extent + block - 1) / block;
-  parallel_for(pool, blocks, [&](int64_t t) {
-    const int64_t start = t * block, size = std::min(extent, start + block) - start;
+  parallel_for(pool, batch * blocks, [&](int64_t t) {
+    const int64_t i = t / blocks, start = t % blocks * block;
+    const int64_t size = std::min(extent, start + block) - start;
+    const float* xi = xd + i * rows * in;
+    const float* wi = wd + i * in * out;
+    float* yi = yd + i * rows * out;
     if (by_rows) {
-      sgemm(kRowMajor, kNoTranspose, tw, size, out, in, 1.0f, xd + start * in, in, wd, ldw,
-            0.0f, yd + start * out, out);
+      sgemm(kRowMajor, kNoTranspose, tw, size, out, in, 1.0f, xi + start * in, in, wi, ldw,
+            0.0f, yi + start * out, out);
     } else {
-      const float* ws = wd + (transposed_weight ? start * ldw : start);
-      sgemm(kRowMajor, kNoTranspose, tw, rows, size, in, 1.0f, xd, in, ws, ldw, 0.0f,
-            yd + start, out);
+      const float* wt = wi + (transposed_weight ? start * ldw : start);
+      sgemm(kRowMajor, kNoTranspose, tw, rows, size, in, 1.0f, xi, in, wt, ldw, 0.0f,
+            yi + start, out);
     }
   });
   return ffi::Error::Success();
