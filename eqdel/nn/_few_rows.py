@@ -49,8 +49,8 @@ _TARGETS = {
 }
 
 GEMM_NAME = "eqdel_gemm"
-"""The name (`jax.ad_checkpoint.checkpoint_name`) of every OpenBLAS product's output, so
-that the remat policies that save matrix products save these too."""
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of `gemm`'s outputs, so that the remat
+policies that save matrix products save these too."""
 
 
 def _compiled(compiler: str) -> Path:
