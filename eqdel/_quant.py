@@ -4,7 +4,6 @@ integers, two per byte, a scale and an offset per block of inputs); and int8 tok
 embeddings with a scale per block of each row (which a tied head reads too)."""
 
 import warnings
-from collections.abc import Sequence
 
 import equinox as eqx
 import jax
@@ -626,41 +625,44 @@ def _same_inputs(layers: list[Linear], grams: list[Array]) -> list[list[int]]:
 
 @eqx.filter_jit
 def _gptq_round_together(
-    weights: list[Array], gram: Array, blocks: list, group_size: int, nearest
-) -> list[Array]:
+    weights: list[Array], gram: Array, scheme: str, group_size: int | None
+) -> tuple[list[Array], list]:
     """GPTQ on layers that read the same inputs, side by side as one wider layer: they
-    share one Hessian, so one factorisation and one pass over the inputs serve all."""
+    share one Hessian, so one factorisation and one pass over the inputs serve all, and
+    one compiled program fits their scales and rounds them (each output's scales depend
+    on that output's weights alone). Returns each layer's rounded weight and scales."""
+    scales, blocks = _fixed_scales(jnp.concatenate(weights, axis=-1), scheme, group_size, gram)
     joined = jnp.concatenate([w.astype(jnp.float32) for w in weights], axis=-1)
-    scales = jax.tree.map(lambda *a: jnp.concatenate(a, -1), *blocks)
+    rounded = gptq_round(joined, gram, blocks, group_size or joined.shape[-2], NEAREST[scheme])
     splits = np.cumsum([w.shape[-1] for w in weights])[:-1].tolist()
-    rounded = gptq_round(joined, gram, scales, group_size, nearest)
-    return jnp.split(rounded, splits, axis=-1)
+    split = lambda a: jnp.split(a, splits, axis=-1)  # noqa: E731
+    per_layer = list(zip(*map(split, scales))) if isinstance(scales, tuple) else split(scales)
+    return jnp.split(rounded, splits, axis=-1), per_layer
 
 
 def _gptq_rounded(
     layers: list[Linear],
     grams: list[Array],
-    blocks: Sequence,
+    scheme: str,
     group_size: int | None,
-    nearest,
     progress: bool,
-) -> list[Linear]:
-    """The layers with their weights rounded by GPTQ against their block scales, those
-    that read the same inputs together."""
-    rounded = list(layers)
+) -> tuple[list[Linear], list]:
+    """The layers with their weights rounded by GPTQ, those that read the same inputs
+    together, and the scales they were rounded against."""
+    rounded, scales = list(layers), [None] * len(layers)
     for group in tqdm(_same_inputs(layers, grams), disable=not progress, unit="layer group"):
         weights = [layers[i].weight for i in group]
         # Replicated, GPTQ's loop over rows needs no collectives.
         everywhere = weights[0].sharding
         if isinstance(everywhere, NamedSharding):
             everywhere = NamedSharding(everywhere.mesh, PartitionSpec())
-        inputs = jax.device_put((weights, grams[group[0]], [blocks[i] for i in group]), everywhere)
-        inputs_per_scale = group_size or weights[0].shape[-2]
-        parts = _gptq_round_together(*inputs, inputs_per_scale, nearest)
-        for i, w, part in zip(group, weights, parts):
+        inputs = jax.device_put((weights, grams[group[0]]), everywhere)
+        parts, part_scales = _gptq_round_together(*inputs, scheme, group_size)
+        for i, w, part, s in zip(group, weights, parts, part_scales):
             part = jax.device_put(part, w.sharding)
             rounded[i] = eqx.tree_at(lambda m: m.weight, layers[i], part)
-    return rounded
+            scales[i] = s
+    return rounded, scales
 
 
 def checked_request(
@@ -782,12 +784,11 @@ def quantize_linears(
                 f"{n_in % group_size} inputs, with its own scale.",
                 stacklevel=3,
             )
-    grams = [None] * len(paths) if calibration is None else input_grams(model, paths, calibration)
-    scales, blocks = zip(
-        *(_fixed_scales(layer.weight, scheme, group_size, g) for layer, g in zip(layers, grams))
-    )
-    if calibration is not None:
-        layers = _gptq_rounded(layers, grams, blocks, group_size, NEAREST[scheme], progress)
+    if calibration is None:
+        scales = [_fixed_scales(layer.weight, scheme, group_size, None)[0] for layer in layers]
+    else:
+        grams = input_grams(model, paths, calibration)
+        layers, scales = _gptq_rounded(layers, grams, scheme, group_size, progress)
     replaced = [_built(layer, scheme, group_size, s) for layer, s in zip(layers, scales)]
     return eqx.tree_at(lambda m: [get_path(m, p) for p in paths], model, replaced)
 

@@ -35,6 +35,20 @@ def test_version():
     assert out.returncode == 0 and out.stdout.strip() == f"eqdel {eqdel.__version__}"
 
 
+def test_the_command_reruns_with_huge_pages_only_when_asked(monkeypatch):
+    from eqdel import _cli
+
+    reruns = []
+    monkeypatch.setattr(_cli, "rerun_with_huge_pages", reruns.append)
+    monkeypatch.setattr(_cli, "main", lambda: 0)
+    monkeypatch.setattr(sys, "argv", ["eqdel", "--version"])
+    monkeypatch.delenv("EQDEL_HUGE_PAGES", raising=False)
+    assert _cli.console_main() == 0 and reruns == []
+    monkeypatch.setenv("EQDEL_HUGE_PAGES", "1")
+    assert _cli.console_main() == 0
+    assert reruns == [["-m", "eqdel._cli", "--version"]]
+
+
 def test_inspect_mesh():
     out = run("inspect-mesh", "--devices", "8", "--axis-dims", "2,-1,2,1")
     assert out.returncode == 0, out.stderr
