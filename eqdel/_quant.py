@@ -4,6 +4,7 @@ integers, two per byte, a scale and an offset per block of inputs); and int8 tok
 embeddings with a scale per block of each row (which a tied head reads too)."""
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import equinox as eqx
 import jax
@@ -650,18 +651,30 @@ def _gptq_rounded(
     """The layers with their weights rounded by GPTQ, those that read the same inputs
     together, and the scales they were rounded against."""
     rounded, scales = list(layers), [None] * len(layers)
-    for group in tqdm(_same_inputs(layers, grams), disable=not progress, unit="layer group"):
+    groups = _same_inputs(layers, grams)
+
+    def placed(group):
         weights = [layers[i].weight for i in group]
         # Replicated, GPTQ's loop over rows needs no collectives.
         everywhere = weights[0].sharding
         if isinstance(everywhere, NamedSharding):
             everywhere = NamedSharding(everywhere.mesh, PartitionSpec())
-        inputs = jax.device_put((weights, grams[group[0]]), everywhere)
-        parts, part_scales = _gptq_round_together(*inputs, scheme, group_size)
-        for i, w, part, s in zip(group, weights, parts, part_scales):
-            part = jax.device_put(part, w.sharding)
-            rounded[i] = eqx.tree_at(lambda m: m.weight, layers[i], part)
-            scales[i] = s
+        return jax.device_put((weights, grams[group[0]]), everywhere)
+
+    def compiled(group):
+        return _gptq_round_together.lower(*placed(group), scheme, group_size).compile()
+
+    # Each group's program compiles in the background while the group before it rounds.
+    with ThreadPoolExecutor(1) as compiler:
+        programs = [compiler.submit(compiled, group) for group in groups]
+        for group, program in tqdm(
+            list(zip(groups, programs)), disable=not progress, unit="layer group"
+        ):
+            parts, part_scales = program.result()(*placed(group), scheme, group_size)
+            for i, part, s in zip(group, parts, part_scales):
+                part = jax.device_put(part, layers[i].weight.sharding)
+                rounded[i] = eqx.tree_at(lambda m: m.weight, layers[i], part)
+                scales[i] = s
     return rounded, scales
 
 
