@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import logging
 import re
 import subprocess
 import sys
@@ -269,6 +270,41 @@ def test_three_train_steps_on_a_mesh_equal_single_device(dims, activated, getkey
     for a, b in zip(jax.tree.leaves(sharded.model), jax.tree.leaves(single.model)):
         assert len(a.sharding.device_set) == 8
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _step_compilations(caplog, run) -> int:
+    """How many times `run()` compiles a train step."""
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        run()
+    return sum("Finished XLA compilation of jit(checked_fun)" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_train_step_compiles_once(sharded, caplog, getkey):
+    """The state `init_train_state` returns is placed as the step's outputs are, so the
+    second step does not compile the step again. The model is placed on a device, as
+    `from_pretrained` places it; the counters `jnp` makes and a fresh key are not, and
+    JAX compiles a call whose arrays are partly placed apart from the same call with all
+    of them placed."""
+    model = jax.device_put(LlamaForCausalLM(CONFIG, key=getkey()), jax.devices()[0])
+    optimizer = optax.adamw(1e-3)
+    state = init_train_state(model, optimizer, jax.random.key(1))
+    batch = batch_of(random_ids(4, 8, vocab=64, seed=0))
+    if sharded:
+        cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+        state = eqdel.shard(state, cfg)
+        spec = cfg.resolve((eqdel.axes.BATCH, eqdel.axes.LENGTH), shape=(4, 8))
+        batch = jax.device_put(batch, jax.sharding.NamedSharding(cfg.mesh(), spec))
+    step = make_train_step(causal_lm_loss, optimizer)
+
+    def three_steps():
+        nonlocal state
+        for _ in range(3):
+            state, metrics = step(state, batch)
+        float(metrics["loss"])
+
+    assert _step_compilations(caplog, three_steps) == 1
 
 
 FSDP_AND_SP_STEP = textwrap.dedent(

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.experimental import checkify
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import Array, Int, PRNGKeyArray
 
 
@@ -68,7 +69,30 @@ def init_train_state(
     params = eqx.filter(model, _trainable_spec(model, trainable))
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
         opt_state = optimizer.init(params)
-    return TrainState(jnp.zeros((), jnp.int32), model, opt_state, key)
+    return _committed(TrainState(jnp.zeros((), jnp.int32), model, opt_state, key))
+
+
+def _committed(state: TrainState) -> TrainState:
+    """`state` with every array that JAX has not placed yet (the counters `jnp` makes, a
+    fresh key, a model built on the default device) placed where the train step puts its
+    outputs: on the device of the placed arrays, or replicated over their mesh. Otherwise
+    the step's second call, whose inputs are the first call's placed outputs, compiles
+    the step again."""
+    arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    placed = next((x.sharding for x in arrays if x.committed), None)
+    if placed is None:
+        target = SingleDeviceSharding(jax.devices()[0])
+    elif isinstance(placed, NamedSharding):
+        target = NamedSharding(placed.mesh, PartitionSpec())
+    elif len(placed.device_set) == 1:
+        target = SingleDeviceSharding(next(iter(placed.device_set)))
+    else:
+        return state
+
+    def place(x):
+        return jax.device_put(x, target) if isinstance(x, jax.Array) and not x.committed else x
+
+    return jax.tree.map(place, state)
 
 
 def make_train_step(
