@@ -280,7 +280,7 @@ def _step_compilations(caplog, run) -> int:
     return sum("Finished XLA compilation of jit(checked_fun)" in r.message for r in caplog.records)
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", ["no", "state", "model"])
 def test_a_train_step_compiles_once(sharded, caplog, getkey):
     """The state `init_train_state` returns is placed as the step's outputs are, so the
     second step does not compile the step again. The model is placed on a device, as
@@ -288,12 +288,15 @@ def test_a_train_step_compiles_once(sharded, caplog, getkey):
     JAX compiles a call whose arrays are partly placed apart from the same call with all
     of them placed."""
     model = jax.device_put(LlamaForCausalLM(CONFIG, key=getkey()), jax.devices()[0])
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    if sharded == "model":
+        model = eqdel.shard(model, cfg)
     optimizer = optax.adamw(1e-3)
     state = init_train_state(model, optimizer, jax.random.key(1))
     batch = batch_of(random_ids(4, 8, vocab=64, seed=0))
-    if sharded:
-        cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    if sharded == "state":
         state = eqdel.shard(state, cfg)
+    if sharded != "no":
         spec = cfg.resolve((eqdel.axes.BATCH, eqdel.axes.LENGTH), shape=(4, 8))
         batch = jax.device_put(batch, jax.sharding.NamedSharding(cfg.mesh(), spec))
     step = make_train_step(causal_lm_loss, optimizer)

@@ -73,18 +73,16 @@ def init_train_state(
 
 
 def _committed(state: TrainState) -> TrainState:
-    """`state` with every array that JAX has not placed yet (the counters `jnp` makes, a
-    fresh key, a model built on the default device) placed where the train step puts its
-    outputs: on the device of the placed arrays, or replicated over their mesh. Otherwise
-    the step's second call, whose inputs are the first call's placed outputs, compiles
-    the step again."""
+    """`state` with the arrays that JAX has not placed yet (the counters `jnp` makes, a
+    fresh key) placed where the train step puts its outputs, when the model is placed:
+    on its device, or replicated over its mesh. Otherwise the step's second call, whose
+    inputs are all placed (the first call's outputs), compiles the step again. A state
+    with nothing placed is left as it is: JAX compiles its step once."""
     arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
     placed = next((x.sharding for x in arrays if x.committed), None)
-    if placed is None:
-        target = SingleDeviceSharding(jax.devices()[0])
-    elif isinstance(placed, NamedSharding):
+    if isinstance(placed, NamedSharding):
         target = NamedSharding(placed.mesh, PartitionSpec())
-    elif len(placed.device_set) == 1:
+    elif placed is not None and len(placed.device_set) == 1:
         target = SingleDeviceSharding(next(iter(placed.device_set)))
     else:
         return state
