@@ -78,8 +78,8 @@ def _committed(state: TrainState) -> TrainState:
     on its device, or replicated over its mesh. Otherwise the step's second call, whose
     inputs are all placed (the first call's outputs), compiles the step again. A state
     with nothing placed is left as it is: JAX compiles its step once."""
-    arrays = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
-    placed = next((x.sharding for x in arrays if x.committed), None)
+    concrete = [x for x in jax.tree.leaves(state) if _concrete(x)]
+    placed = next((x.sharding for x in concrete if x.committed), None)
     if isinstance(placed, NamedSharding):
         target = NamedSharding(placed.mesh, PartitionSpec())
     elif placed is not None and len(placed.device_set) == 1:
@@ -88,9 +88,14 @@ def _committed(state: TrainState) -> TrainState:
         return state
 
     def place(x):
-        return jax.device_put(x, target) if isinstance(x, jax.Array) and not x.committed else x
+        return jax.device_put(x, target) if _concrete(x) and not x.committed else x
 
     return jax.tree.map(place, state)
+
+
+def _concrete(x) -> bool:
+    """Whether `x` is an array with values (not a tracer, as under `filter_eval_shape`)."""
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def make_train_step(
