@@ -82,7 +82,11 @@ def _per_head_product(
     differentiated (prefill, evaluation)."""
     from ..nn import _few_rows  # eqdel.nn imports this package
 
-    if _few_rows.batched_gemm_usable(a, b):
-        return _few_rows.batched_gemm(a, b, transpose_b)
     spec = "bkqd,bksd->bkqs" if transpose_b else "bkqs,bksd->bkqd"
-    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+    def reference(a, b):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+    if _few_rows.batched_gemm_usable(a, b):
+        return _few_rows.batched_gemm(a, b, transpose_b, reference)
+    return reference(a, b)

@@ -178,15 +178,16 @@ def _call(target: str, rows: Array, out_features: int, *operands, **attributes) 
     return _ffi(target, (rows.shape[0], out_features), rows, *operands, **attributes)
 
 
-def _with_reference_gradient(kernel, reference):
-    """`kernel`, differentiated as `reference` (the same product written in XLA)."""
+def _with_reference_gradient(kernel, reference, *, kernel_when_differentiated: bool = True):
+    """`kernel`, differentiated as `reference` (the same product written in XLA); under
+    differentiation its forward pass is `reference` too unless `kernel_when_differentiated`."""
 
     @jax.custom_vjp
     def product(*operands):
         return kernel(*operands)
 
     def forward(*operands):
-        return kernel(*operands), operands
+        return (kernel if kernel_when_differentiated else reference)(*operands), operands
 
     def backward(operands, grad):
         return jax.vjp(reference, *operands)[1](grad)
@@ -276,18 +277,14 @@ def batched_gemm(
     a: Float[Array, "*batch rows depth"],
     b: Float[Array, "*batch depth columns"] | Float[Array, "*batch columns depth"],
     transpose_b: bool,
+    reference,
 ) -> Float[Array, "*batch rows columns"]:
     """`a @ b` (`a @ bᵀ` when `transpose_b`) for each matrix of the leading dimensions, in
     float32 through OpenBLAS where it is not differentiated; under differentiation,
-    forward and gradient are XLA's product (with OpenBLAS's forward, attention's backward
-    pass ran slower)."""
-    spec = "...qd,...sd->...qs" if transpose_b else "...qs,...sd->...qd"
+    forward and gradient are `reference(a, b)`, the same product in XLA (with
+    OpenBLAS's forward, attention's backward pass ran slower)."""
 
-    def reference(a, b):
-        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-    @jax.custom_vjp
-    def product(a, b):
+    def kernel(a, b):
         columns = b.shape[-2 if transpose_b else -1]
         flat = _ffi(
             "eqdel_gemm",
@@ -298,13 +295,7 @@ def batched_gemm(
         )
         return flat.reshape(*a.shape[:-1], columns)
 
-    def forward(a, b):
-        return reference(a, b), (a, b)
-
-    def backward(operands, grad):
-        return jax.vjp(reference, *operands)[1](grad)
-
-    product.defvjp(forward, backward)
+    product = _with_reference_gradient(kernel, reference, kernel_when_differentiated=False)
     return product(a, b)
 
 
