@@ -16,7 +16,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import torch
 import transformers
 from _report import (
@@ -32,7 +31,7 @@ from _report import (
 import eqdel
 from eqdel._demo import perplexity_text_file
 from eqdel._host_memory import rerun_with_huge_pages
-from eqdel.train import causal_lm_loss, init_train_state, make_train_step
+from eqdel.train import AdamW, causal_lm_loss, init_train_state, make_train_step
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TRAIN_REMAT = "dots_with_no_batch_dims_saveable"
@@ -131,7 +130,7 @@ def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidt
         results[f"decode_b{rows}"]["tokens_identical"] = same
 
     train_ids = {"input_ids": jnp.asarray(prefill_ids, jnp.int32)}
-    optimizer = optax.adamw(1e-5)
+    optimizer = AdamW(1e-5, weight_decay=0.01)  # torch.optim.AdamW's defaults
     step = make_train_step(causal_lm_loss, optimizer)
     state = init_train_state(model, optimizer, jax.random.key(0))
     their_step = torch_train_step(hf_model, prefill_ids, lr=1e-5)

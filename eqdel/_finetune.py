@@ -18,6 +18,7 @@ from ._sharding_config import ShardingConfig
 from ._tokenizer import load_tokenizer
 from .checkpoint import CheckpointError, from_pretrained, save_pretrained
 from .train import (
+    AdamW,
     batches,
     causal_lm_loss,
     init_train_state,
@@ -78,7 +79,7 @@ class FinetuneOptions:
                 f"compute_dtype {self.compute_dtype!r} is not one of {sorted(_COMPUTE_DTYPES)}."
             )
 
-    def optimizer(self) -> optax.GradientTransformation:
+    def optimizer(self) -> AdamW:
         """Clipped AdamW on a warm-up + cosine schedule."""
         schedule = optax.warmup_cosine_decay_schedule(
             0.0,
@@ -87,10 +88,7 @@ class FinetuneOptions:
             self.steps,
             end_value=0.1 * self.learning_rate,
         )
-        return optax.chain(
-            optax.clip_by_global_norm(self.max_grad_norm),
-            optax.adamw(schedule, weight_decay=self.weight_decay),
-        )
+        return AdamW(schedule, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm)
 
 
 @dataclasses.dataclass(frozen=True)

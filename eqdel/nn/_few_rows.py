@@ -35,8 +35,9 @@ from jaxtyping import Array, Bool, Float, Int8, UInt8
 MAX_ROWS = 16
 """The most rows a product may have to run through a kernel."""
 
-_SOURCE = Path(__file__).with_name("few_rows.cc")
-_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+_FOLDER = Path(__file__).parent
+_SOURCES = ("kernels.h", "few_rows.cc", "adamw.cc")
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-fno-math-errno", "-shared", "-fPIC", "-w")
 _TARGETS = {
     "eqdel_few_rows_f32": "EqdelFewRowsF32",
     "eqdel_few_rows_bf16": "EqdelFewRowsBF16",
@@ -46,6 +47,8 @@ _TARGETS = {
     "eqdel_few_rows_nf4": "EqdelFewRowsNF4",
     "eqdel_attention": "EqdelAttention",
     "eqdel_gemm": "EqdelGemm",
+    "eqdel_adamw_f32": "EqdelAdamWF32",
+    "eqdel_adamw_bf16": "EqdelAdamWBF16",
 }
 
 GEMM_NAME = "eqdel_gemm"
@@ -54,21 +57,24 @@ policies that save matrix products save these too."""
 
 
 def _compiled(compiler: str) -> Path:
-    """The kernels' shared library, compiled once per source, compiler flags, jaxlib and
-    host, and written in place atomically."""
+    """The kernels' shared library, compiled once per set of sources, compiler flags,
+    jaxlib and host, and written in place atomically."""
     from .._smollm2 import cache_dir
 
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), include.encode()):
-        key.update(part)
+    for source in _SOURCES:
+        key.update((_FOLDER / source).read_bytes())
+    key.update(" ".join(_FLAGS).encode())
+    key.update(include.encode())
     key.update(f"{jax.__version__} {platform.uname()}".encode())
     target = cache_dir() / "kernels" / f"few_rows-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            command = [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", str(built)]
+            sources = [str(_FOLDER / name) for name in _SOURCES if name.endswith(".cc")]
+            command = [compiler, *_FLAGS, f"-I{include}", *sources, "-o", str(built)]
             subprocess.run(command, check=True, capture_output=True, text=True)
             os.replace(built, target)
     return target

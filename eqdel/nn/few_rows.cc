@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -34,6 +35,8 @@
 #endif
 
 namespace ffi = xla::ffi;
+using eqdel::bf16_to_float;
+using eqdel::parallel_for;
 
 namespace {
 
@@ -96,43 +99,6 @@ inline float lane_sum(v16 v) {
     for (int64_t l = 0; l < half; ++l) t[l] += t[l + half];
   return t[0];
 #endif
-}
-
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = uint32_t(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, 4);
-  return f;
-}
-
-// Runs body(task) for task in [0, tasks) on the calling thread and the pool's threads;
-// returns when every task is done. Tasks are claimed from a shared counter, so the call
-// finishes even if no pool thread ever picks its work up.
-template <class F>
-void parallel_for(ffi::ThreadPool& pool, int64_t tasks, const F& body) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, tasks, &body]() {
-    int64_t finished = 0;
-    for (int64_t t; (t = state->next.fetch_add(1)) < tasks;) {
-      body(t);
-      ++finished;
-    }
-    if (finished) state->done.fetch_add(finished);
-  };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
-  for (int64_t h = 0; h < helpers; ++h) {
-    // A helper that starts after the call returned finds no task left and touches
-    // nothing but `state`, which it shares.
-    pool.Schedule([state, tasks, work]() {
-      if (state->next.load() < tasks) work();
-    });
-  }
-  work();
-  while (state->done.load() < tasks) std::this_thread::yield();
 }
 
 // Runs `tile(k0, k1, c0, c1, acc)` over a grid of weight-row chunks and column tiles,

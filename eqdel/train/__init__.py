@@ -1,5 +1,6 @@
 """Functional training: losses, train states and pure train steps."""
 
+from ._adamw import AdamW as AdamW, AdamWState as AdamWState
 from ._checkpoint import (
     latest_train_step as latest_train_step,
     restore_train_state as restore_train_state,

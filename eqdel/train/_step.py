@@ -1,5 +1,6 @@
 """Pure train steps: `step(state, batch) -> (state, metrics)` built on optax."""
 
+import functools
 from collections.abc import Callable
 
 import equinox as eqx
@@ -9,6 +10,8 @@ import optax
 from jax.experimental import checkify
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import Array, Int, PRNGKeyArray
+
+from ._adamw import AdamW, float32_norm
 
 
 class NonFiniteError(FloatingPointError):
@@ -53,7 +56,7 @@ def _cast_floating(x, dtype):
 
 
 def init_train_state(
-    model, optimizer: optax.GradientTransformation, key: PRNGKeyArray, *, trainable=None
+    model, optimizer: optax.GradientTransformation | AdamW, key: PRNGKeyArray, *, trainable=None
 ) -> TrainState:
     """A fresh [`eqdel.train.TrainState`][].
 
@@ -98,9 +101,15 @@ def _concrete(x) -> bool:
     return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
+def _on_one_device(tree) -> bool:
+    """Whether every array of `tree` lies on a single device."""
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    return all(len(x.sharding.device_set) == 1 for x in arrays)
+
+
 def make_train_step(
     loss_fn: Callable,
-    optimizer: optax.GradientTransformation,
+    optimizer: optax.GradientTransformation | AdamW,
     *,
     grad_accum_steps: int = 1,
     trainable=None,
@@ -115,7 +124,9 @@ def make_train_step(
     - `loss_fn`: `loss_fn(model, batch) -> (loss_sum, token_count)`, e.g.
         [`eqdel.train.causal_lm_loss`][]. The step minimises `loss_sum / token_count`.
     - `optimizer`: any optax transformation (chain `optax.clip_by_global_norm` for
-        clipping; schedules work as usual).
+        clipping; schedules work as usual). An [`eqdel.train.AdamW`][] takes its step
+        in one pass over each parameter (`AdamW.apply`), in place on CPU with eqdel's
+        kernels.
     - `grad_accum_steps`: split each batch on its leading axis into this many
         micro-batches, run them in a `lax.scan` and apply one update: the result equals
         the update from the whole batch at once.
@@ -150,7 +161,7 @@ def make_train_step(
 
         return jax.tree.map(split, batch)
 
-    def step(frozen_and_batch, state: TrainState):
+    def step(frozen_and_batch, state: TrainState, *, single_device: bool):
         frozen, batch = frozen_and_batch
         params = state.model
 
@@ -172,9 +183,12 @@ def make_train_step(
         init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros)
         (loss_sum, count, grads), _ = jax.lax.scan(accumulate, init, micro_batches(batch))
         scale = 1.0 / jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         loss = loss_sum * scale
-        grad_norm = optax.tree.norm(grads)
+        if isinstance(optimizer, AdamW):  # scales the gradient in its own pass
+            grad_norm = float32_norm(grads) * scale
+        else:
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+            grad_norm = float32_norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if not skip_nonfinite:
             checkify.check(
@@ -185,12 +199,23 @@ def make_train_step(
                 norm=grad_norm,
                 step=state.step,
             )
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, state.opt_state, params)
-        new_params = eqx.apply_updates(params, updates)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_params = jax.tree.map(keep, new_params, params)
-        opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+        if isinstance(optimizer, AdamW):
+            new_params, opt_state = optimizer.apply(
+                grads,
+                state.opt_state,
+                params,
+                grad_scale=scale,
+                grad_norm=grad_norm,
+                finite=finite,
+                single_device=single_device,
+            )
+        else:
+            with jax.numpy_dtype_promotion("standard"):
+                updates, opt_state = optimizer.update(grads, state.opt_state, params)
+            new_params = eqx.apply_updates(params, updates)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_params = jax.tree.map(keep, new_params, params)
+            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
         key, _ = jax.random.split(state.key)
         new_state = TrainState(
             state.step + finite.astype(jnp.int32),
@@ -205,11 +230,17 @@ def make_train_step(
     # shared with the caller's model (a LoRA base, frozen embeddings), and the caller may
     # reuse the batch.
     donation = "all-except-first" if donate else "none"
-    checked = eqx.filter_jit(checkify.checkify(step), donate=donation)
+
+    @functools.cache
+    def checked(single_device: bool):
+        return eqx.filter_jit(
+            checkify.checkify(functools.partial(step, single_device=single_device)),
+            donate=donation,
+        )
 
     def run(state: TrainState, batch):
         params, frozen = eqx.partition(state.model, _trainable_spec(state.model, trainable))
-        error, (state, metrics) = checked(
+        error, (state, metrics) = checked(_on_one_device(params))(
             (frozen, batch), eqx.tree_at(lambda s: s.model, state, params)
         )
         message = None if skip_nonfinite else error.get()
