@@ -1,6 +1,7 @@
 """`eqdel.train.AdamW`: the update of optax's clipped AdamW, as an optax transformation
 and in a train step, in XLA and in eqdel's CPU kernel (in place, float32 and bfloat16)."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from hf_reference import random_ids
 from tiny import TINY_LLAMA
 
+import eqdel
 from eqdel.models import LlamaForCausalLM
 from eqdel.nn import _few_rows
 from eqdel.train import AdamW, causal_lm_loss, init_train_state, make_train_step
@@ -160,3 +162,25 @@ def test_the_kernel_keeps_everything_on_a_non_finite_step(dtype, getkey):
     grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)
     state = AdamW(1e-2).init(params)
     _skipped_step_keeps(state._replace(nu=_gradient(getkey, params, 0.1)), params, grads)
+
+
+def test_on_a_mesh_the_moments_follow_their_parameters(getkey):
+    """Sharded, the step takes XLA's path (the kernel would gather every array), keeps
+    each moment sharded as its parameter and gives the single-device losses."""
+    model = LlamaForCausalLM(TINY_LLAMA, key=getkey())
+    optimizer = AdamW(1e-2, max_grad_norm=1.0)
+    cfg = eqdel.ShardingConfig(axis_dims=(1, 2, 2, 2))
+    data = [{"input_ids": jnp.asarray(random_ids(4, 8, vocab=64, seed=s))} for s in range(2)]
+    _, single_losses = _train(optimizer, model, data)
+    step = make_train_step(causal_lm_loss, optimizer)
+    state = eqdel.shard(init_train_state(model, optimizer, jax.random.key(1)), cfg)
+    losses = []
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, single_losses, rtol=1e-5)
+    params = jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))
+    for moment in (state.opt_state.mu, state.opt_state.nu):
+        for m, p in zip(jax.tree.leaves(moment), params, strict=True):
+            assert m.sharding == p.sharding
+    assert any(not p.sharding.is_fully_replicated for p in params)
