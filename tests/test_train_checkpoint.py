@@ -19,6 +19,7 @@ from tiny import TINY_LLAMA, array_leaves
 import eqdel
 from eqdel.models import LlamaConfig, LlamaForCausalLM
 from eqdel.train import (
+    AdamW,
     causal_lm_loss,
     init_train_state,
     latest_train_step,
@@ -31,9 +32,9 @@ CONFIG = TINY_LLAMA
 OPTIMIZER = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
 
 
-def fresh_state(seed: int):
+def fresh_state(seed: int, optimizer=OPTIMIZER):
     model = LlamaForCausalLM(CONFIG, key=jax.random.key(seed))
-    return init_train_state(model, OPTIMIZER, jax.random.key(seed + 100))
+    return init_train_state(model, optimizer, jax.random.key(seed + 100))
 
 
 def assert_identical(a, b):
@@ -41,21 +42,22 @@ def assert_identical(a, b):
         np.testing.assert_array_equal(x, y)
 
 
-def test_resume_continues_bit_identically(tmp_path):
-    step = make_train_step(causal_lm_loss, OPTIMIZER)
+@pytest.mark.parametrize("optimizer", [OPTIMIZER, AdamW(1e-2, max_grad_norm=1.0)])
+def test_resume_continues_bit_identically(optimizer, tmp_path):
+    step = make_train_step(causal_lm_loss, optimizer)
     data = [{"input_ids": jax.numpy.asarray(random_ids(4, 8, vocab=64, seed=s))} for s in range(4)]
 
-    straight = fresh_state(0)
+    straight = fresh_state(0, optimizer)
     for batch in data:
         straight, _ = step(straight, batch)
 
-    state = fresh_state(0)
+    state = fresh_state(0, optimizer)
     for batch in data[:2]:
         state, _ = step(state, batch)
     save_train_state(tmp_path, state)
     del state
     assert latest_train_step(tmp_path) == 2
-    resumed = restore_train_state(tmp_path, fresh_state(7))  # other weights, same structure
+    resumed = restore_train_state(tmp_path, fresh_state(7, optimizer))  # other weights
     assert int(resumed.step) == 2
     for batch in data[2:]:
         resumed, _ = step(resumed, batch)
