@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..models import load_balancing_loss
+from ..nn import activation_dtype
 
 IGNORE_INDEX = -100
 """Label value excluded from the loss, as in transformers."""
@@ -156,9 +157,12 @@ def causal_lm_loss(
     target_weights = weights[:, 1:].astype(jnp.float32)
     targets = jnp.where(weights[:, 1:], labels[:, 1:], 0)
     embed = hidden.shape[-1]
+    # On CPU a 16-bit head then writes float32 logits: not rounded to 16 bits before the
+    # softmax, and no conversion pass over them.
+    head_input = hidden[:, :-1].reshape(-1, embed).astype(activation_dtype(hidden.dtype))
     loss_sum = chunked_cross_entropy(
         model.head,
-        hidden[:, :-1].reshape(-1, embed),
+        head_input,
         targets.reshape(-1),
         target_weights.reshape(-1),
         chunk_size=chunk_size,
