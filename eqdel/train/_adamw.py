@@ -53,10 +53,10 @@ class _Scalars(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class AdamW:
-    """AdamW with optional clipping by global norm: `optax.chain(optax.clip_by_global_norm
-    (max_grad_norm), optax.adamw(learning_rate, b1, b2, eps, eps_root, weight_decay))`,
-    computed in float32 whatever the parameters' dtype, with the moments stored in the
-    parameters' dtype (as `optax.adamw` stores them by default).
+    """AdamW with optional clipping by global norm: the update of `optax.adamw(learning_rate,
+    b1, b2, eps, eps_root, weight_decay)`, after `optax.clip_by_global_norm(max_grad_norm)`
+    when that is given, computed in float32 whatever the parameters' dtype, with the
+    moments stored in the parameters' dtype (as `optax.adamw` stores them by default).
 
     **Arguments:**
 
