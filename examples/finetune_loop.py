@@ -14,11 +14,10 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import optax  # noqa: E402
-
 import eqdel  # noqa: E402
 from eqdel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from eqdel.train import (  # noqa: E402
+    AdamW,
     batches,
     causal_lm_loss,
     init_train_state,
@@ -54,7 +53,7 @@ def main(steps: int, lora_rank: int, output: Path | None) -> list[float]:
         )
         trainable = eqdel.lora_filter(model)  # adapters only; the base stays frozen
     model = eqdel.shard(model, mesh)
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+    optimizer = AdamW(1e-2, max_grad_norm=1.0)  # optax's clipped AdamW, one pass
     state = init_train_state(model, optimizer, jax.random.key(1), trainable=trainable)
     state = eqdel.shard(state, mesh)
     step = make_train_step(causal_lm_loss, optimizer, trainable=trainable)
