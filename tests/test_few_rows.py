@@ -401,3 +401,23 @@ def test_prefill_attention_runs_through_openblas_unless_differentiated(getkey, m
     np.testing.assert_allclose(np.asarray(got), np.asarray(attend(*operands)), atol=1e-5)
     for a, b in zip(got_gradients, gradients(*operands)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_table_lookup_is_jnp_take(getkey):
+    """Copied as stored, with negative ids counted from the end and ids outside the table
+    giving NaN rows; differentiated, the gradient of XLA's gather."""
+    embedding = Embedding(50, 24, dtype=jnp.bfloat16, key=getkey())
+    ids = jnp.array([[0, 49, -1, -50], [-51, 50, 7, 7]])
+    assert "eqdel_gather" in str(jax.make_jaxpr(lambda i: embedding(i))(ids))
+    np.testing.assert_array_equal(
+        np.asarray(eqx.filter_jit(embedding)(ids), np.float32),
+        np.asarray(jnp.take(embedding.weight, ids, axis=0), np.float32),
+    )
+
+    def loss(rows):
+        return jnp.sum(jnp.square(rows.astype(jnp.float32)))
+
+    valid = ids[:, 2:]
+    grad = jax.grad(lambda e: loss(e(valid)))(embedding).weight
+    expected = jax.grad(lambda w: loss(jnp.take(w, valid, axis=0)))(embedding.weight)
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(expected, np.float32))

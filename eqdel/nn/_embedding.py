@@ -7,6 +7,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import axes as ax
 from .._field import field
+from . import _few_rows
 from ._linear import matmul
 
 
@@ -48,6 +49,8 @@ class Embedding(eqx.Module):
 
         Their embeddings.
         """
+        if jax.default_backend() == "cpu" and _few_rows.gather_usable(self.weight):
+            return _few_rows.gather(self.weight, ids)
         return jnp.take(self.weight, ids, axis=0)
 
     def unembed(self, x: Float[Array, "*batch embed"]) -> Float[Array, "*batch vocab"]:

@@ -1,6 +1,7 @@
 """Products of a few rows with a weight on CPU, a decode step's attention on its cache
-as stored, and float32 products of many rows through OpenBLAS, by the kernels of
-`few_rows.cc`.
+as stored, float32 products of many rows through OpenBLAS and the lookup of a bfloat16
+embedding table, by the kernels of `few_rows.cc` (the same library holds `adamw.cc`'s
+optimizer step, see `eqdel.train.AdamW`).
 
 A decode step multiplies one row per sequence by every weight. XLA's CPU backend reads
 a 16-bit or quantized weight there only as a float32 copy it makes once, before the
@@ -30,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Bool, Float, Int8, UInt8
+from jaxtyping import Array, BFloat16, Bool, Float, Int, Int8, UInt8
 
 MAX_ROWS = 16
 """The most rows a product may have to run through a kernel."""
@@ -47,6 +48,7 @@ _TARGETS = {
     "eqdel_few_rows_nf4": "EqdelFewRowsNF4",
     "eqdel_attention": "EqdelAttention",
     "eqdel_gemm": "EqdelGemm",
+    "eqdel_gather_bf16": "EqdelGatherBF16",
     "eqdel_adamw_f32": "EqdelAdamWF32",
     "eqdel_adamw_bf16": "EqdelAdamWBF16",
 }
@@ -209,13 +211,12 @@ def dense(
     reference,
 ) -> Float[Array, "rows out_features"]:
     """`rows @ weight` (`rows @ weight.T` when `transposed`) for a float32 or bfloat16
-    weight, accumulated and returned in float32 (the rows rounded to bfloat16 first for
-    a bfloat16 weight), differentiated as `reference(rows, weight)`."""
+    weight, accumulated and returned in float32 (the kernel rounds the rows to bfloat16
+    first for a bfloat16 weight), differentiated as `reference(rows, weight)`."""
 
     def kernel(rows, weight):
         bfloat16 = weight.dtype == jnp.bfloat16
         target = "eqdel_few_rows_bf16" if bfloat16 else "eqdel_few_rows_f32"
-        rows = rows.astype(jnp.bfloat16).astype(jnp.float32) if bfloat16 else rows
         out_features = weight.shape[0 if transposed else 1]
         return _call(target, rows, out_features, weight, transposed=transposed)
 
@@ -361,6 +362,35 @@ def nf4(
 ATTENTION_TOKENS = 4
 """The most query tokens per sequence an attention call may have to run through the
 kernel (a decode step has one)."""
+
+
+def gather_usable(table: Array) -> bool:
+    """Whether rows of `table` may be looked up by the kernel: a 2-D bfloat16 table and
+    compiled kernels."""
+    return table.ndim == 2 and table.dtype == jnp.bfloat16 and available()
+
+
+def gather(
+    table: BFloat16[Array, "vocab dim"], ids: Int[Array, "*ids"]
+) -> BFloat16[Array, "*ids dim"]:
+    """`jnp.take(table, ids, axis=0)` for a bfloat16 table, copied as stored by a kernel
+    where it is not differentiated (in a decode loop XLA's gather converted the whole
+    table to float32 once per call); under differentiation, XLA's gather."""
+
+    def reference(table, ids):
+        return jnp.take(table, ids, axis=0)
+
+    def kernel(table, ids):
+        if not available():
+            raise RuntimeError("eqdel's CPU kernels are not available here; see `gather_usable`.")
+        flat = ids.reshape(-1).astype(jnp.int32)
+        result = jax.ShapeDtypeStruct((flat.shape[0], table.shape[1]), table.dtype)
+        rows = jax.ffi.ffi_call("eqdel_gather_bf16", result, vmap_method="sequential")(table, flat)
+        return rows.reshape(*ids.shape, table.shape[1])
+
+    return _with_reference_gradient(kernel, reference, kernel_when_differentiated=False)(
+        table, ids
+    )
 
 
 def attention_usable(query: Array, key: Array, soft_cap: float | None) -> bool:

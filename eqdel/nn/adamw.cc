@@ -44,14 +44,7 @@ inline float widen(uint16_t bits) { return eqdel::bf16_to_float(bits); }
 
 inline void narrow(float x, float* out) { *out = x; }
 
-// Rounds to the nearest bfloat16, ties to even, as XLA's conversion does; NaN stays NaN.
-inline void narrow(float x, uint16_t* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uint32_t quiet = (bits >> 16) | 0x40u;
-  *out = uint16_t(std::isnan(x) ? quiet : rounded);
-}
+inline void narrow(float x, uint16_t* out) { *out = eqdel::float_to_bf16(x); }
 
 template <class T>
 void adamw(ffi::ThreadPool& pool, const float* hyper, int64_t size, const T* p, const T* g,

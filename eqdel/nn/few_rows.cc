@@ -9,7 +9,8 @@
 // it; a 4-bit product's rows are zero-padded to whole groups. A bfloat16 tied head runs
 // on the tile unit (AMX) where the CPU has one. A decode step's attention on a float32
 // key/value cache, read as stored, is here too (`attend`), and so is a float32 product of
-// many rows (prefill, training) through OpenBLAS (`GemmImpl`).
+// many rows (prefill, training) through OpenBLAS (`GemmImpl`), and the lookup of a
+// bfloat16 embedding table (`GatherBF16Impl`).
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +37,7 @@
 
 namespace ffi = xla::ffi;
 using eqdel::bf16_to_float;
+using eqdel::float_to_bf16;
 using eqdel::parallel_for;
 
 namespace {
@@ -527,15 +529,22 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t out = y->dimensions()[1];
   if (auto e = check_rows(rows); e.failure()) return e;
   const uint16_t* wd = w.typed_data();
+  // The rows rounded to bfloat16 here, where XLA would round them in an operation of its
+  // own before the call.
+  thread_local std::vector<float> rounded;
+  rounded.resize(rows * in);
+  const float* xd = x.typed_data();
+  for (int64_t i = 0; i < rows * in; ++i) rounded[i] = bf16_to_float(float_to_bf16(xd[i]));
+  xd = rounded.data();
 #if defined(EQDEL_AMX)
   if (transposed_weight && in % 32 == 0 && amx_ready()) {
-    amx_transposed(pool, x.typed_data(), rows, in, out, wd, y->typed_data());
+    amx_transposed(pool, xd, rows, in, out, wd, y->typed_data());
     return ffi::Error::Success();
   }
 #endif
   if (transposed_weight) {
     transposed(
-        pool, x.typed_data(), rows, in, out,
+        pool, xd, rows, in, out,
         [=](int64_t o, int64_t i) {
           v16u wide = __builtin_convertvector(load<v16u16>(wd + o * in + i), v16u) << 16;
           return (v16)wide;
@@ -543,7 +552,7 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
         [=](int64_t o, int64_t i) { return bf16_to_float(wd[o * in + i]); },
         [=](int64_t o, int64_t i) { __builtin_prefetch(wd + o * in + i); }, y->typed_data());
   } else {
-    dense(pool, x.typed_data(), rows, in, out, BF16Rows{wd, out}, nullptr, y->typed_data());
+    dense(pool, xd, rows, in, out, BF16Rows{wd, out}, nullptr, y->typed_data());
   }
   return ffi::Error::Success();
 }
@@ -795,6 +804,26 @@ ffi::Error GemmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+// Rows of a bfloat16 table, copied as stored: XLA's CPU backend computes a 16-bit gather
+// in float32, and in a decode loop it converts the whole table once per call to gather a
+// row per step. A negative id counts from the end, and an id outside the table gives a
+// row of NaN, as `jnp.take` does.
+ffi::Error GatherBF16Impl(ffi::Buffer<ffi::BF16> table, ffi::Buffer<ffi::S32> ids,
+                          ffi::ResultBuffer<ffi::BF16> rows) {
+  const int64_t vocab = table.dimensions()[0], dim = table.dimensions()[1];
+  const auto* t = reinterpret_cast<const uint16_t*>(table.untyped_data());
+  auto* out = reinterpret_cast<uint16_t*>(rows->untyped_data());
+  const int32_t* id = ids.typed_data();
+  for (int64_t i = 0; i < int64_t(ids.element_count()); ++i) {
+    const int64_t row = id[i] < 0 ? id[i] + vocab : id[i];
+    if (row >= 0 && row < vocab)
+      std::memcpy(out + i * dim, t + row * dim, dim * sizeof(uint16_t));
+    else
+      std::fill(out + i * dim, out + (i + 1) * dim, uint16_t(0x7FC0));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" void eqdel_set_sgemm(void* function) { sgemm = reinterpret_cast<Sgemm>(function); }
@@ -871,3 +900,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelAttention, AttentionImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("masked"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqdelGatherBF16, GatherBF16Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());

@@ -1,5 +1,5 @@
-// What eqdel's CPU kernels share: bfloat16 bits as float32, and a parallel loop on
-// XLA's intra-op threads.
+// What eqdel's CPU kernels share: conversions between float32 and bfloat16 bits, and a
+// parallel loop on XLA's intra-op threads.
 
 #ifndef EQDEL_NN_KERNELS_H_
 #define EQDEL_NN_KERNELS_H_
@@ -20,6 +20,15 @@ inline float bf16_to_float(uint16_t bits) {
   float f;
   std::memcpy(&f, &wide, 4);
   return f;
+}
+
+// The bits of the bfloat16 nearest to `x`, ties to even, as XLA converts; NaN stays NaN.
+inline uint16_t float_to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet = (bits >> 16) | 0x40u;
+  return uint16_t(x != x ? quiet : rounded);
 }
 
 // Runs body(task) for task in [0, tasks) on the calling thread and the pool's threads;
