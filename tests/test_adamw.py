@@ -96,17 +96,25 @@ def test_train_steps_equal_optax_clipped_adamw(getkey):
     _assert_trees_close(ours.model, theirs.model, rtol=1e-5, atol=1e-6)
 
 
-def _skipped_step_keeps(optimizer_state, params, grads):
-    optimizer = AdamW(1e-2)
-    norm = optax.tree.norm(grads)
-    after, state = jax.jit(optimizer.apply, static_argnames="single_device")(
+def _apply(optimizer, grads, state, params, *, kernels, finite=True, donate=True):
+    """`optimizer.apply`, jitted, with the gradient halved first."""
+    apply = jax.jit(
+        optimizer.apply, static_argnames="single_device", donate_argnums=(1, 2) if donate else ()
+    )
+    return apply(
         grads,
-        optimizer_state,
+        state,
         params,
-        grad_scale=jnp.float32(1),
-        grad_norm=norm,
-        finite=jnp.bool_(False),
-        single_device=True,
+        grad_scale=jnp.float32(0.5),
+        grad_norm=optax.tree.norm(grads) * 0.5,
+        finite=jnp.bool_(finite),
+        single_device=kernels,
+    )
+
+
+def _skipped_step_keeps(optimizer_state, params, grads):
+    after, state = _apply(
+        AdamW(1e-2), grads, optimizer_state, params, kernels=True, finite=False, donate=False
     )
     _assert_trees_close(after, params, rtol=0, atol=0)
     _assert_trees_close(state, optimizer_state, rtol=0, atol=0)
@@ -117,20 +125,6 @@ def test_a_non_finite_step_leaves_parameters_and_state(getkey):
     grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
     state = AdamW(1e-2).init(params)
     _skipped_step_keeps(state._replace(mu=_gradient(getkey, params, 0.1)), params, grads)
-
-
-def _apply(optimizer, grads, state, params, *, kernels):
-    apply = jax.jit(optimizer.apply, static_argnames="single_device", donate_argnums=(1, 2))
-    norm = optax.tree.norm(grads) * 0.5
-    return apply(
-        grads,
-        state,
-        params,
-        grad_scale=jnp.float32(0.5),
-        grad_norm=norm,
-        finite=jnp.bool_(True),
-        single_device=kernels,
-    )
 
 
 @needs_kernels

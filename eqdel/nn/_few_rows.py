@@ -168,12 +168,12 @@ def batched_gemm_usable(a: Array, b: Array) -> bool:
     return a.ndim == b.ndim >= 3 and a.dtype == b.dtype == jnp.float32 and gemm_available()
 
 
-def _ffi(target: str, shape: tuple[int, ...], *operands, **attributes) -> Array:
-    """Kernel `target`'s float32 result of `shape`; float attributes pass as float32,
+def _ffi(target: str, shape: tuple[int, ...], *operands, dtype=jnp.float32, **attributes) -> Array:
+    """Kernel `target`'s result of `shape` and `dtype`; float attributes pass as float32,
     the others as int64."""
     if not available():
         raise RuntimeError("eqdel's CPU kernels are not available here; see `usable`.")
-    result = jax.ShapeDtypeStruct(shape, jnp.float32)
+    result = jax.ShapeDtypeStruct(shape, dtype)
     attributes = {
         name: np.float32(value) if isinstance(value, float) else np.int64(value)
         for name, value in attributes.items()
@@ -381,11 +381,9 @@ def gather(
         return jnp.take(table, ids, axis=0)
 
     def kernel(table, ids):
-        if not available():
-            raise RuntimeError("eqdel's CPU kernels are not available here; see `gather_usable`.")
         flat = ids.reshape(-1).astype(jnp.int32)
-        result = jax.ShapeDtypeStruct((flat.shape[0], table.shape[1]), table.dtype)
-        rows = jax.ffi.ffi_call("eqdel_gather_bf16", result, vmap_method="sequential")(table, flat)
+        shape = (flat.shape[0], table.shape[1])
+        rows = _ffi("eqdel_gather_bf16", shape, table, flat, dtype=table.dtype)
         return rows.reshape(*ids.shape, table.shape[1])
 
     return _with_reference_gradient(kernel, reference, kernel_when_differentiated=False)(

@@ -125,11 +125,12 @@ class AdamW:
         """
         scalars = self._scalars(state.count, grad_norm, grad_scale, finite)
         in_place = single_device and _few_rows.available()
+        packed = jnp.stack([jnp.asarray(x, jnp.float32) for x in scalars]) if in_place else None
 
         def leaf(p, g, m, v):
             target = _KERNELS.get(np.dtype(p.dtype))
             if in_place and target is not None and p.dtype == g.dtype == m.dtype == v.dtype:
-                return _kernel(target, scalars, p, g, m, v)
+                return _kernel(target, packed, p, g, m, v)
             step, m_new, v_new = _step(scalars, p, g, m, v)
             p_new = (p.astype(jnp.float32) + step).astype(p.dtype)
             pairs = ((p_new, p), (m_new, m), (v_new, v))
@@ -183,9 +184,9 @@ def _step(s: _Scalars, p, g, m, v):
     return -s.learning_rate * update, m_new, v_new
 
 
-def _kernel(target: str, s: _Scalars, p, g, m, v):
-    """`adamw.cc`'s step: the parameter and moments written in place."""
-    scalars = jnp.stack([jnp.asarray(x, jnp.float32) for x in s])
+def _kernel(target: str, scalars: Float[Array, " 12"], p, g, m, v):
+    """`adamw.cc`'s step, given `_Scalars` as one float32 vector: the parameter and
+    moments written in place."""
     result = jax.ShapeDtypeStruct(p.shape, p.dtype)
     call = jax.ffi.ffi_call(
         target,
