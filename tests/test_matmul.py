@@ -93,3 +93,30 @@ def test_float32_inputs_to_a_bfloat16_weight_round_once_and_return_float32(getke
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(ref), rtol=BF16_ULP, atol=BF16_ULP * scale
         )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_dots_remat_policies_save_16bit_products(getkey, dtype):
+    """A 16-bit product's custom gradient hides it from the dots policies; it is named
+    for them, so that a rematerialised layer saves it (one product forward, two in the
+    backward pass) instead of recomputing it, with the same gradients."""
+    from eqdel.nn._stacked import REMAT_POLICIES
+
+    x = jax.random.normal(getkey(), (32, 24), jnp.float32).astype(dtype)
+    weight = jax.random.normal(getkey(), (24, 24), jnp.float32).astype(jnp.bfloat16)
+
+    def gradients(policy):
+        def layer(x, w):
+            return jnp.sum(jnp.tanh(matmul(x, w).astype(jnp.float32)) ** 2)
+
+        return jax.jit(jax.value_and_grad(jax.checkpoint(layer, policy=policy), argnums=(0, 1)))
+
+    def products(policy) -> int:
+        return gradients(policy).lower(x, weight).as_text().count("stablehlo.dot_general")
+
+    for name in ("dots_saveable", "checkpoint_dots", "dots_with_no_batch_dims_saveable"):
+        assert products(REMAT_POLICIES[name]) == 3, name
+    assert products(REMAT_POLICIES["full"]) == 4
+    saved = gradients(REMAT_POLICIES["dots_saveable"])(x, weight)
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(gradients(None)(x, weight))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -53,9 +53,10 @@ _TARGETS = {
     "eqdel_adamw_bf16": "EqdelAdamWBF16",
 }
 
-GEMM_NAME = "eqdel_gemm"
-"""The name (`jax.ad_checkpoint.checkpoint_name`) of `gemm`'s outputs, so that the remat
-policies that save matrix products save these too."""
+PRODUCT_NAME = "eqdel_product"
+"""The name (`jax.ad_checkpoint.checkpoint_name`) of the outputs of the products that the
+dots remat policies do not recognise as products (custom calls, products with a custom
+gradient), so that the policies that save matrix products save these too."""
 
 
 def _compiled(compiler: str) -> Path:
@@ -266,7 +267,7 @@ def gemm(
     transposed: bool,
 ) -> Float[Array, "rows out_features"]:
     """`rows @ weight` (`rows @ weight.T` when `transposed`) in float32 through OpenBLAS,
-    differentiated as XLA's product, the output named `GEMM_NAME` for the remat
+    differentiated as XLA's product, the output named `PRODUCT_NAME` for the remat
     policies."""
 
     def kernel(rows, weight):
@@ -277,7 +278,7 @@ def gemm(
         return rows @ (weight.T if transposed else weight)
 
     product = _with_reference_gradient(kernel, reference)
-    return checkpoint_name(product(rows, weight), GEMM_NAME)
+    return checkpoint_name(product(rows, weight), PRODUCT_NAME)
 
 
 def batched_gemm(

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._field import field
@@ -127,8 +128,35 @@ def _xla_product(rows: Float[Array, "m k"], weight: Array, transposed: bool) -> 
         weight.dtype,
         activation_dtype(weight.dtype),
     ):
-        return _low_precision_matmul(rows.astype(weight.dtype), weight, transposed, rows.dtype)
+        product = _low_precision_matmul(rows.astype(weight.dtype), weight, transposed, rows.dtype)
+        return _named_for_remat(product)
     return rows @ (weight.T if transposed else weight)
+
+
+def _named_for_remat(product: Array) -> Array:
+    """`product`, named `PRODUCT_NAME` so that the dots remat policies save it (its custom
+    gradient hides the product from them). A 16-bit product is named as its bits: XLA's
+    CPU backend writes a saved 16-bit value into the scan's stack of them by converting
+    the whole stack to float32 and back, on every layer."""
+    if product.dtype in LOW_PRECISION:
+        return _named_as_bits(product)
+    return checkpoint_name(product, _few_rows.PRODUCT_NAME)
+
+
+def _name_bits(x: Array) -> Array:
+    bits = checkpoint_name(jax.lax.bitcast_convert_type(x, jnp.uint16), _few_rows.PRODUCT_NAME)
+    return jax.lax.bitcast_convert_type(bits, x.dtype)
+
+
+@jax.custom_jvp
+def _named_as_bits(x: Array) -> Array:
+    """`x`, by way of its bits named `PRODUCT_NAME`; differentiated as the identity."""
+    return _name_bits(x)
+
+
+@_named_as_bits.defjvp
+def _named_as_bits_jvp(primals, tangents):
+    return _name_bits(primals[0]), tangents[0]
 
 
 class Linear(eqx.Module):

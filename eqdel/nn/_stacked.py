@@ -7,7 +7,7 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from .._unstack import unstack_layers as unstack_layers
-from ._few_rows import GEMM_NAME
+from ._few_rows import PRODUCT_NAME
 from ._scan_bits import read_scanned, scanned_form
 
 
@@ -28,11 +28,12 @@ def stack_layers(make: Callable[[PRNGKeyArray], eqx.Module], key: PRNGKeyArray, 
     return eqx.filter_vmap(make)(jax.random.split(key, count))
 
 
-def _and_gemms(policy: Callable) -> Callable:
-    """`policy`, also saving the outputs of the products that run through OpenBLAS
-    (custom calls, which the dots policies do not recognise as products)."""
-    gemms = jax.checkpoint_policies.save_only_these_names(GEMM_NAME)
-    return jax.checkpoint_policies.save_from_both_policies(policy, gemms)
+def _and_named_products(policy: Callable) -> Callable:
+    """`policy`, also saving the outputs of the products it does not recognise as such:
+    those through OpenBLAS (custom calls) and the 16-bit products on CPU (their custom
+    gradient hides the product from the policy)."""
+    products = jax.checkpoint_policies.save_only_these_names(PRODUCT_NAME)
+    return jax.checkpoint_policies.save_from_both_policies(policy, products)
 
 
 REMAT_POLICIES = {
@@ -40,15 +41,16 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "everything_saveable": jax.checkpoint_policies.everything_saveable,
-    "dots_saveable": _and_gemms(jax.checkpoint_policies.dots_saveable),
-    "checkpoint_dots": _and_gemms(jax.checkpoint_policies.checkpoint_dots),
-    "dots_with_no_batch_dims_saveable": _and_gemms(
+    "dots_saveable": _and_named_products(jax.checkpoint_policies.dots_saveable),
+    "checkpoint_dots": _and_named_products(jax.checkpoint_policies.checkpoint_dots),
+    "dots_with_no_batch_dims_saveable": _and_named_products(
         jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     ),
 }
 """Rematerialisation policy names and the `jax.checkpoint_policies` they mean (`none`:
 store every activation; `full`: recompute each layer in the backward pass). The dots
-policies also save the float32 products that run through OpenBLAS."""
+policies also save the float32 products that run through OpenBLAS and the 16-bit
+products on CPU."""
 
 
 def run_layers(
