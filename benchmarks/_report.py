@@ -99,10 +99,13 @@ def machine() -> dict:
     }
 
 
-def interleaved_times(fns: dict, steps: int) -> dict[str, list[float]]:
+def interleaved_times(
+    fns: dict, steps: int, *, self_timed: bool = False
+) -> dict[str, list[float]]:
     """The seconds of each call of each function over `steps` rounds that call every
     function once in turn, after two warm-up rounds: a machine whose speed drifts during
-    the run slows all of them alike instead of whichever runs last."""
+    the run slows all of them alike instead of whichever runs last. With `self_timed`,
+    each function returns its own seconds (a call run in another process)."""
     for _ in range(2):
         for fn in fns.values():
             fn()
@@ -110,14 +113,15 @@ def interleaved_times(fns: dict, steps: int) -> dict[str, list[float]]:
     for _ in range(steps):
         for name, fn in fns.items():
             start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+            seconds = fn()
+            times[name].append(seconds if self_timed else time.perf_counter() - start)
     return times
 
 
-def interleaved_medians(fns: dict, steps: int) -> dict[str, float]:
+def interleaved_medians(fns: dict, steps: int, *, self_timed: bool = False) -> dict[str, float]:
     """The median of `interleaved_times`' calls for each function."""
-    return {name: statistics.median(t) for name, t in interleaved_times(fns, steps).items()}
+    times = interleaved_times(fns, steps, self_timed=self_timed)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def write(name: str, results: dict, tables: list[tuple[str, list[str], list[list]]]) -> Path:

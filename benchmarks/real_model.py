@@ -1,14 +1,16 @@
 """eqdel against transformers on a real model's shapes (SmolLM2-135M-Instruct by default,
-both reading the same GGUF file), interleaved in one process: prefill, greedy decode at
-batch 1 and 8, and a full AdamW train step, in float32 and bfloat16. Prefill and training
-are also given as model-FLOP utilisation against a matmul peak measured in the same run,
-decode as bytes of weights read per second against a measured copy bandwidth.
+both reading the same GGUF file), each in a process of its own, their calls alternating:
+prefill, greedy decode at batch 1 and 8, and a full AdamW train step, in float32 and
+bfloat16. Prefill and training are also given as model-FLOP utilisation against a matmul
+peak measured in the same run, decode as bytes of weights read per second against a
+measured copy bandwidth.
 
     python benchmarks/real_model.py [--model FILE.gguf] [--dtypes float32,bfloat16]
 """
 
 import argparse
 import functools
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -65,87 +67,163 @@ def _weight_bytes(model) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(model) if hasattr(leaf, "nbytes"))
 
 
-def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidth: float):
-    """Prefill, decode at batch 1 and 8, and a train step of both frameworks in `dtype`;
-    also each framework's prefill logits (float32) for the comparison across dtypes."""
+def _eqdel_tasks(path: Path, dtype: str, args, prefill_ids: np.ndarray, prompts: dict):
+    """eqdel's timed calls, and its prefill logits (float32), greedy tokens, prefill
+    compile time, bytes of weights and sizes."""
+    model = eqdel.from_pretrained(path, dtype=dtype, progress=False, remat_policy=TRAIN_REMAT)
+    forward = jax.jit(lambda m, i: m(i).logits)
+    ids = jnp.asarray(prefill_ids)
+    start = time.perf_counter()
+    forward.lower(model, ids).compile()
+    compile_s = time.perf_counter() - start
+    prepared = model.for_generation()  # built once, as the eqdel commands do
+
+    def decode(rows: int, model=prepared):
+        prompt = jnp.asarray(prompts[rows])
+        return lambda: eqdel.generate(
+            model, prompt, max_new_tokens=args.new, eos_token_id=[]
+        ).block_until_ready()
+
+    @functools.cache  # first called once prefill and decode are done: the step donates
+    def train_step():  # the model's arrays
+        optimizer = AdamW(1e-5, weight_decay=0.01)  # torch.optim.AdamW's defaults
+        step = make_train_step(causal_lm_loss, optimizer)
+        state = init_train_state(model, optimizer, jax.random.key(0))
+        batch = {"input_ids": jnp.asarray(prefill_ids, jnp.int32)}
+
+        def run():
+            nonlocal state
+            state, metrics = step(state, batch)
+            return float(metrics["loss"])
+
+        return run
+
+    tasks = {
+        "prefill": lambda: forward(model, ids).block_until_ready(),
+        "decode_b1": decode(1),
+        "decode_b8": decode(8),
+        # the stacked model: generate builds the generation form in every call
+        "decode_b1_stacked": decode(1, model),
+        "train": lambda: train_step()(),
+    }
+    checks = {
+        "prefill_logits": np.asarray(forward(model, ids), np.float32),
+        "tokens": {rows: np.asarray(tasks[f"decode_b{rows}"]()) for rows in prompts},
+        "compile_prefill_s": compile_s,
+        "weight_bytes": _weight_bytes(model),
+        "sizes": _sizes(model.config),
+    }
+    return tasks, checks
+
+
+def _transformers_tasks(path: Path, dtype: str, args, prefill_ids: np.ndarray, prompts: dict):
+    """transformers' timed calls, and its prefill logits (float32) and greedy tokens."""
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=_TORCH_DTYPES[dtype]
     ).eval()
-    model = eqdel.from_pretrained(path, dtype=dtype, progress=False, remat_policy=TRAIN_REMAT)
-    batch, seq = args.batch, args.seq
-    prefill_ids = ids[: batch * seq].reshape(batch, seq)
-    forward = jax.jit(lambda m, i: m(i).logits)
 
-    def hf_prefill():
+    def prefill():
         with torch.no_grad():
             return hf_model(torch.tensor(prefill_ids)).logits
 
-    start = time.perf_counter()
-    forward.lower(model, jnp.asarray(prefill_ids)).compile()
-    compile_s = time.perf_counter() - start
-    results = {"compile_prefill_s": compile_s}
-    logits = {
-        "eqdel": np.asarray(forward(model, jnp.asarray(prefill_ids)), np.float32),
-        "transformers": hf_prefill().float().numpy(),
+    @functools.cache  # first called once prefill and decode are done: it sets training mode
+    def train_step():
+        return torch_train_step(hf_model, prefill_ids, lr=1e-5)
+
+    tasks = {
+        "prefill": prefill,
+        **{f"decode_b{rows}": torch_greedy(hf_model, prompts[rows], args.new) for rows in prompts},
+        "train": lambda: train_step()(),
     }
-    logit_diff = float(np.abs(logits["eqdel"] - logits["transformers"]).max())
-    seconds = interleaved_medians(
-        {
-            "eqdel": lambda: forward(model, jnp.asarray(prefill_ids)).block_until_ready(),
-            "transformers": hf_prefill,
-        },
-        args.repeats,
-    )
-    flops = forward_flops_per_token(_sizes(model.config), seq) * batch * seq
-    results["prefill"] = {
-        name: {"tokens_per_s": batch * seq / s, "mfu": flops / s / peak}
-        for name, s in seconds.items()
+    checks = {
+        "prefill_logits": prefill().float().numpy(),
+        "tokens": {rows: tasks[f"decode_b{rows}"]().numpy() for rows in prompts},
     }
-    results["prefill"]["max_abs_logit_difference"] = logit_diff
+    return tasks, checks
 
-    weight_bytes = _weight_bytes(model)
-    prepared = model.for_generation()  # built once, as the eqdel commands do
-    for rows in (1, 8):
-        prompt = ids[: rows * args.prompt].reshape(rows, args.prompt)
 
-        def ours(prompt=prompt, model=prepared):
-            return eqdel.generate(
-                model, jnp.asarray(prompt), max_new_tokens=args.new, eos_token_id=[]
-            ).block_until_ready()
+_FRAMEWORKS = {"eqdel": _eqdel_tasks, "transformers": _transformers_tasks}
 
-        theirs = torch_greedy(hf_model, prompt, args.new)
-        same = bool(np.array_equal(np.asarray(ours()), theirs().numpy()))
-        timed = {"eqdel": ours, "transformers": theirs}
-        if rows == 1:  # the stacked model: generate builds the generation form per call
-            timed["eqdel_stacked"] = functools.partial(ours, model=model)
-        seconds = interleaved_medians(timed, args.repeats)
-        results[f"decode_b{rows}"] = {
-            name: {
-                "tokens_per_s": rows * args.new / s,
-                "weight_bytes_per_s": weight_bytes * args.new / s,
-                "of_bandwidth": weight_bytes * args.new / s / bandwidth,
-            }
-            for name, s in seconds.items()
+
+def _serve(connection, framework: str, *task_args) -> None:
+    """A worker process holding one framework's model: sends its checks, then runs each
+    task it is sent and answers with the task's seconds, until it is sent `None`."""
+    tasks, checks = _FRAMEWORKS[framework](*task_args)
+    connection.send(checks)
+    while (task := connection.recv()) is not None:
+        start = time.perf_counter()
+        tasks[task]()
+        connection.send(time.perf_counter() - start)
+
+
+def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidth: float):
+    """Prefill, decode at batch 1 and 8, and a train step of both frameworks in `dtype`;
+    also each framework's prefill logits (float32) for the comparison across dtypes.
+
+    Each framework runs in a process of its own, and the calls alternate between them:
+    in one process, each framework's calls paid for the page faults of memory the other
+    had freed (see docs/performance.md, "Huge pages on CPU"), which no user who runs one
+    of them meets."""
+    batch, seq = args.batch, args.seq
+    prefill_ids = ids[: batch * seq].reshape(batch, seq)
+    prompts = {rows: ids[: rows * args.prompt].reshape(rows, args.prompt) for rows in (1, 8)}
+    context = multiprocessing.get_context("spawn")
+    connections, processes, checks = {}, [], {}
+    try:
+        for framework in _FRAMEWORKS:
+            connections[framework], there = context.Pipe()
+            process = context.Process(
+                target=_serve, args=(there, framework, path, dtype, args, prefill_ids, prompts)
+            )
+            process.start()
+            processes.append(process)
+            checks[framework] = connections[framework].recv()
+
+        def remote(framework: str, task: str) -> float:
+            connections[framework].send(task)
+            return connections[framework].recv()
+
+        def seconds(task: str, **calls) -> dict[str, float]:
+            calls = {name: functools.partial(remote, name, task) for name in _FRAMEWORKS} | calls
+            return interleaved_medians(calls, args.repeats, self_timed=True)
+
+        ours = checks["eqdel"]
+        logits = {name: c["prefill_logits"] for name, c in checks.items()}
+        flops = forward_flops_per_token(ours["sizes"], seq) * batch * seq
+        results = {"compile_prefill_s": ours["compile_prefill_s"]}
+        results["prefill"] = {
+            name: {"tokens_per_s": batch * seq / s, "mfu": flops / s / peak}
+            for name, s in seconds("prefill").items()
         }
-        results[f"decode_b{rows}"]["tokens_identical"] = same
+        logit_diff = float(np.abs(logits["eqdel"] - logits["transformers"]).max())
+        results["prefill"]["max_abs_logit_difference"] = logit_diff
 
-    train_ids = {"input_ids": jnp.asarray(prefill_ids, jnp.int32)}
-    optimizer = AdamW(1e-5, weight_decay=0.01)  # torch.optim.AdamW's defaults
-    step = make_train_step(causal_lm_loss, optimizer)
-    state = init_train_state(model, optimizer, jax.random.key(0))
-    their_step = torch_train_step(hf_model, prefill_ids, lr=1e-5)
+        weight_bytes = ours["weight_bytes"]
+        for rows in prompts:
+            task = f"decode_b{rows}"
+            stacked = {"eqdel_stacked": functools.partial(remote, "eqdel", f"{task}_stacked")}
+            timed = seconds(task, **(stacked if rows == 1 else {}))
+            results[task] = {
+                name: {
+                    "tokens_per_s": rows * args.new / s,
+                    "weight_bytes_per_s": weight_bytes * args.new / s,
+                    "of_bandwidth": weight_bytes * args.new / s / bandwidth,
+                }
+                for name, s in timed.items()
+            }
+            tokens = [c["tokens"][rows] for c in checks.values()]
+            results[task]["tokens_identical"] = bool(np.array_equal(*tokens))
 
-    def our_step():
-        nonlocal state
-        state, metrics = step(state, train_ids)
-        return float(metrics["loss"])
-
-    seconds = interleaved_medians({"eqdel": our_step, "transformers": their_step}, args.repeats)
-    results["train"] = {
-        name: {"tokens_per_s": batch * seq / s, "mfu": 3 * flops / s / peak}
-        for name, s in seconds.items()
-    }
-    results["weight_bytes"] = weight_bytes
+        results["train"] = {
+            name: {"tokens_per_s": batch * seq / s, "mfu": 3 * flops / s / peak}
+            for name, s in seconds("train").items()
+        }
+        results["weight_bytes"] = weight_bytes
+    finally:
+        for connection in connections.values():
+            connection.send(None)
+        for process in processes:
+            process.join()
     return results, logits
 
 
