@@ -9,6 +9,7 @@ measured copy bandwidth.
 """
 
 import argparse
+import contextlib
 import functools
 import multiprocessing
 import sys
@@ -221,7 +222,8 @@ def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidt
         results["weight_bytes"] = weight_bytes
     finally:
         for connection in connections.values():
-            connection.send(None)
+            with contextlib.suppress(OSError):  # a worker that failed has gone already
+                connection.send(None)
         for process in processes:
             process.join()
     return results, logits
