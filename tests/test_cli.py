@@ -67,7 +67,11 @@ def test_demo_shards_chats_fine_tunes_and_chats_again(smollm2_file):
     assert "mesh (dp=1, fsdp=2, tp=2, sp=2)" in out.stdout
     assert ".model.layers.self_attn.q_proj.weight" in out.stdout
     difference = float(out.stdout.split("single device| logits on 64 tokens = ")[1].split()[0])
-    assert difference <= 1e-4
+    # The mesh splits the products' sums, so the float32 logits differ from one device's by
+    # rounding: under 1e-4 on an Intel host, 1.03e-4 on an AMD Zen 4 one, where one
+    # device's float32 logits on this text are themselves up to 9.4e-5 from float64
+    # (tests/test_real_model.py).
+    assert difference <= 2e-4
     before, after = out.stdout.split("LoRA fine-tuning on ")
     assert "assistant: The capital of Germany is Berlin." in before
     assert "Quill" not in before
