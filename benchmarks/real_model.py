@@ -202,8 +202,8 @@ def measure(path: Path, dtype: str, args, ids: np.ndarray, peak: float, bandwidt
         weight_bytes = ours["weight_bytes"]
         for rows in prompts:
             task = f"decode_b{rows}"
-            stacked = {"eqdel_stacked": functools.partial(remote, "eqdel", f"{task}_stacked")}
-            timed = seconds(task, **(stacked if rows == 1 else {}))
+            stacked = functools.partial(remote, "eqdel", "decode_b1_stacked")
+            timed = seconds(task, **({"eqdel_stacked": stacked} if rows == 1 else {}))
             results[task] = {
                 name: {
                     "tokens_per_s": rows * args.new / s,
