@@ -52,7 +52,8 @@ typedef uint16_t v16u16 __attribute__((vector_size(32)));
 constexpr int64_t kLanes = 16;
 constexpr int64_t kMaxRows = 16;
 constexpr int64_t kAhead = 8;
-constexpr int64_t kAccFloats = 8192;  // 32 KiB of partial sums per task
+constexpr int64_t kAccFloats = 8192;  // 32 KiB of partial sums per task, up to four rows
+constexpr int64_t kManyRowsAccFloats = 2048;  // 8 KiB for more rows
 
 template <class T>
 inline T load(const void* p) {
@@ -109,12 +110,16 @@ inline float lane_sum(v16 v) {
 // product takes whole rows of the weight, read front to back, split into chunks of rows
 // over the threads; more rows take narrower tiles. Split into chunks, each task leaves
 // its sums in the calling thread's scratch, and the last chunk of a tile to finish adds
-// that tile's up.
+// that tile's up. Beyond four rows the tiles hold a quarter of the sums: more tiles
+// share out the work, so a tile is cut into fewer chunks, whose sums (rows x width
+// each) one thread adds while the other may wait (SmolLM2's MLP products at 8 and 16
+// rows: 25-30% faster on a Zen 4 host).
 template <class Tile>
 void product(ffi::ThreadPool& pool, int64_t rows, int64_t depth, int64_t out,
              const float* scale, float* y, const Tile& tile) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t width = std::min(out, std::max(kLanes, kAccFloats / rows / kLanes * kLanes));
+  const int64_t budget = rows <= 4 ? kAccFloats : kManyRowsAccFloats;
+  const int64_t width = std::min(out, std::max(kLanes, budget / rows / kLanes * kLanes));
   const int64_t tiles = (out + width - 1) / width;
   const int64_t wanted = (4 * threads + tiles - 1) / tiles;
   const int64_t chunks = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(depth / 64, 1));
