@@ -7,7 +7,8 @@
 // convert in registers and accumulate in float32, with the output columns split over
 // XLA's intra-op threads. Rows are float32, already rounded where the product asks for
 // it; a 4-bit product's rows are zero-padded to whole groups. A bfloat16 tied head runs
-// on the tile unit (AMX) where the CPU has one. A decode step's attention on a float32
+// on the tile unit (AMX) where the CPU has one, else on AVX-512 BF16's dot products of
+// pairs where it has those. A decode step's attention on a float32
 // key/value cache, read as stored, is here too (`attend`), and so is a float32 product of
 // many rows (prefill, training) through OpenBLAS (`GemmImpl`), and the lookup of a
 // bfloat16 embedding table (`GatherBF16Impl`).
@@ -393,6 +394,68 @@ void amx_transposed(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// A bfloat16 table stored [out, in] on AVX-512 BF16: an output's inputs already lie in
+// pairs, so one instruction (vdpbf16ps) multiplies 32 of them by the same 32 inputs of a
+// row (`x`, bfloat16) and adds the pairs' products to 16 float32 sums, where the vector
+// kernel widens the weights to float32 first and needs two multiply-adds.
+template <int R, int O>
+void pair_block(const uint16_t* x, int64_t in, const uint16_t* w, int64_t o, float* y,
+                int64_t out) {
+  __m512 acc[R][O];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < O; ++p) acc[r][p] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= in; i += 32) {
+    __m512bh wv[O];
+    for (int p = 0; p < O; ++p) wv[p] = (__m512bh)_mm512_loadu_si512(w + (o + p) * in + i);
+    if constexpr (R > 2)
+      for (int p = 0; p < O; ++p) __builtin_prefetch(w + (o + O + p) * in + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * in + i);
+      for (int p = 0; p < O; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, wv[p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < O; ++p) {
+      float sum = _mm512_reduce_add_ps(acc[r][p]);
+      for (int64_t j = i; j < in; ++j)
+        sum += bf16_to_float(x[r * in + j]) * bf16_to_float(w[(o + p) * in + j]);
+      y[r * out + o + p] = sum;
+    }
+}
+
+template <int B, int O>
+void pair_rows(const uint16_t* x, int64_t rows, int64_t in, const uint16_t* w, int64_t o,
+               float* y, int64_t out) {
+  for (int64_t r = 0; r < rows; r += B) {
+    const int64_t n = std::min<int64_t>(B, rows - r);
+    const uint16_t* xr = x + r * in;
+    float* yr = y + r * out;
+    if (n == B) pair_block<B, O>(xr, in, w, o, yr, out);
+    else if constexpr (B > 1) pair_rows<B - 1, O>(xr, n, in, w, o, yr, out);
+  }
+}
+
+void pair_transposed(ffi::ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in,
+                     int64_t out, const uint16_t* w, float* y) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per = std::max<int64_t>(64, (out + 16 * threads - 1) / (16 * threads)) / 8 * 8;
+  const int64_t tasks = (out + per - 1) / per;
+  parallel_for(pool, tasks, [&](int64_t t) {
+    int64_t o = t * per;
+    const int64_t end = std::min(out, o + per);
+    if (rows <= 2)
+      for (; o + 8 <= end; o += 8) pair_rows<2, 8>(x, rows, in, w, o, y, out);
+    else if (rows <= 4)
+      for (; o + 4 <= end; o += 4) pair_rows<4, 4>(x, rows, in, w, o, y, out);
+    else
+      for (; o + 2 <= end; o += 2) pair_rows<8, 2>(x, rows, in, w, o, y, out);
+    for (; o < end; ++o) pair_rows<8, 1>(x, rows, in, w, o, y, out);
+  });
+}
+#endif
+
 // Four-bit codes, two per byte, stored [packed, out]. Each kernel turns byte row k into
 // the two inputs it holds, `lo(k)` and `hi(k)`, and their values for sixteen outputs.
 template <class Codes>
@@ -544,6 +607,15 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 #if defined(EQDEL_AMX)
   if (transposed_weight && in % 32 == 0 && amx_ready()) {
     amx_transposed(pool, xd, rows, in, out, wd, y->typed_data());
+    return ffi::Error::Success();
+  }
+#endif
+#if defined(__AVX512BF16__)
+  if (transposed_weight) {
+    thread_local std::vector<uint16_t> halves;
+    halves.resize(rows * in);
+    for (int64_t i = 0; i < rows * in; ++i) halves[i] = float_to_bf16(xd[i]);
+    pair_transposed(pool, halves.data(), rows, in, out, wd, y->typed_data());
     return ffi::Error::Success();
   }
 #endif
