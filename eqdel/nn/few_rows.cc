@@ -771,6 +771,7 @@ void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const fl
       if (s + kAhead < s1) __builtin_prefetch(v + slot(s + kAhead));
       for (int64_t r = 0; r < queries; ++r) {
         const float p = scores[r * n + s - s0];
+        if (p == 0.0f) continue;  // a masked slot (the cache's unwritten end)
         float* sum = &sums[r * dim];
         int64_t c = 0;
         for (; c + kLanes <= dim; c += kLanes)
