@@ -6,9 +6,9 @@
 // kernels read each weight once, as stored (float32, bfloat16, int8 codes, 4-bit codes),
 // convert in registers and accumulate in float32, with the output columns split over
 // XLA's intra-op threads. Rows are float32, already rounded where the product asks for
-// it; a 4-bit product's rows are zero-padded to whole groups. A bfloat16 tied head runs
-// on the tile unit (AMX) where the CPU has one, else on AVX-512 BF16's dot products of
-// pairs where it has those. A decode step's attention on a float32
+// it; a 4-bit product's rows are zero-padded to whole groups. Bfloat16 weights run on
+// AVX-512 BF16's dot products of pairs where the CPU has them, a tied head on the tile
+// unit (AMX) where it has one. A decode step's attention on a float32
 // key/value cache, read as stored, is here too (`attend`), and so is a float32 product of
 // many rows (prefill, training) through OpenBLAS (`GemmImpl`), and the lookup of a
 // bfloat16 embedding table (`GatherBF16Impl`).
@@ -454,6 +454,79 @@ void pair_transposed(ffi::ThreadPool& pool, const uint16_t* x, int64_t rows, int
     for (; o < end; ++o) pair_rows<8, 1>(x, rows, in, w, o, y, out);
   });
 }
+
+// acc[r, c - c0] += sum over i in [i0, i1) of x[r, i] w[i, c] for bfloat16 weights
+// stored [in, out] and bfloat16 rows, on AVX-512 BF16: the weight rows of two inputs are
+// interleaved in registers into pairs, and each pair of a row's inputs (one 32-bit
+// broadcast) multiplies them with vdpbf16ps, eight inputs per pass over the sums, each
+// weight row read front to back. Blocks of 32 outputs keep their sums in the
+// interleaving's order, (0-3, 8-11, 16-19, 24-27) and (4-7, 12-15, 20-23, 28-31), and put
+// them in order once at the end.
+void pair_dense_tile(const uint16_t* x, int64_t rows, int64_t in, const uint16_t* w,
+                     int64_t out, int64_t i0, int64_t i1, int64_t c0, int64_t c1, float* acc) {
+  const int64_t width = c1 - c0, blocks = width / 32;
+  auto pair_of = [&](int64_t r, int64_t i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + r * in + i, 4);
+    return (__m512bh)_mm512_set1_epi32(int(bits));
+  };
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t c = c0 + b * 32;
+      __m512bh lo[4], hi[4];
+      for (int q = 0; q < 4; ++q) {
+        const __m512i a = _mm512_loadu_si512(w + (i + 2 * q) * out + c);
+        const __m512i d = _mm512_loadu_si512(w + (i + 2 * q + 1) * out + c);
+        lo[q] = (__m512bh)_mm512_unpacklo_epi16(a, d);
+        hi[q] = (__m512bh)_mm512_unpackhi_epi16(a, d);
+      }
+      if (i + kAhead + 8 <= i1)
+        for (int j = 0; j < 8; ++j) __builtin_prefetch(w + (i + kAhead + j) * out + c);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* a = acc + r * width + b * 32;
+        __m512 sum_lo = _mm512_loadu_ps(a), sum_hi = _mm512_loadu_ps(a + 16);
+        for (int q = 0; q < 4; ++q) {
+          const __m512bh xp = pair_of(r, i + 2 * q);
+          sum_lo = _mm512_dpbf16_ps(sum_lo, xp, lo[q]);
+          sum_hi = _mm512_dpbf16_ps(sum_hi, xp, hi[q]);
+        }
+        _mm512_storeu_ps(a, sum_lo);
+        _mm512_storeu_ps(a + 16, sum_hi);
+      }
+    }
+  }
+  const int64_t last = i;  // the inputs left, fewer than 8, go below
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29,
+                                           30, 31);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float* a = acc + r * width + b * 32;
+      const __m512 lo = _mm512_loadu_ps(a), hi = _mm512_loadu_ps(a + 16);
+      _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo, first, hi));
+      _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+  // The inputs left over, and the last outputs (fewer than 32), widened to float32.
+  const BF16Rows rest{w, out};
+  auto widened = [&](int64_t from, int64_t to, int64_t ca, int64_t cb) {
+    int64_t c = ca;
+    for (; c + kLanes <= cb; c += kLanes)
+      for (int64_t k = from; k < to; ++k) {
+        const v16 wv = rest.vec(k, c);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* a = acc + r * width + c - c0;
+          store(a, load_acc(a) + bf16_to_float(x[r * in + k]) * wv);
+        }
+      }
+    for (; c < cb; ++c)
+      for (int64_t k = from; k < to; ++k)
+        for (int64_t r = 0; r < rows; ++r)
+          acc[r * width + c - c0] += bf16_to_float(x[r * in + k]) * rest.at(k, c);
+  };
+  widened(last, i1, c0, c0 + blocks * 32);
+  widened(i0, i1, c0 + blocks * 32, c1);
+}
 #endif
 
 // Four-bit codes, two per byte, stored [packed, out]. Each kernel turns byte row k into
@@ -611,13 +684,19 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   }
 #endif
 #if defined(__AVX512BF16__)
+  thread_local std::vector<uint16_t> halves;
+  halves.resize(rows * in);
+  for (int64_t i = 0; i < rows * in; ++i) halves[i] = float_to_bf16(xd[i]);
+  const uint16_t* xh = halves.data();  // this thread's: the tasks run on others
   if (transposed_weight) {
-    thread_local std::vector<uint16_t> halves;
-    halves.resize(rows * in);
-    for (int64_t i = 0; i < rows * in; ++i) halves[i] = float_to_bf16(xd[i]);
-    pair_transposed(pool, halves.data(), rows, in, out, wd, y->typed_data());
-    return ffi::Error::Success();
+    pair_transposed(pool, xh, rows, in, out, wd, y->typed_data());
+  } else {
+    product(pool, rows, in, out, nullptr, y->typed_data(),
+            [&](int64_t i0, int64_t i1, int64_t c0, int64_t c1, float* acc) {
+              pair_dense_tile(xh, rows, in, wd, out, i0, i1, c0, c1, acc);
+            });
   }
+  return ffi::Error::Success();
 #endif
   if (transposed_weight) {
     transposed(
