@@ -25,9 +25,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 # (rows, inputs, outputs, group size): one row (decode), the most rows, outputs that are
-# not whole vectors of 16, inputs that are not whole groups (or odd), and a weight deep
-# enough to be split into chunks over the threads.
-SHAPES = [(1, 96, 40, 64), (16, 37, 19, 8), (5, 1536, 200, 32), (3, 576, 960, 64)]
+# not whole vectors of 16, inputs that are not whole groups (or odd), a weight deep
+# enough to be split into chunks over the threads, and inputs that leave a remainder
+# after the bfloat16 pair products' passes of eight.
+SHAPES = [
+    (1, 96, 40, 64),
+    (16, 37, 19, 8),
+    (5, 1536, 200, 32),
+    (3, 576, 960, 64),
+    (8, 75, 100, 16),
+]
 
 
 def _runs_a_kernel(fn, *args) -> bool:
