@@ -21,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -269,21 +270,43 @@ void transposed_block(const float* x, int64_t in, int64_t o, const Vec& vec, con
     }
 }
 
-// transposed_block for the R rows at x, R from 1 to B.
-template <int B, int O, class Vec, class At, class Ahead>
-void transposed_block_of(int64_t r, const float* x, int64_t in, int64_t o, const Vec& vec,
-                         const At& at, const Ahead& ahead, float* y, int64_t out) {
-  if (r == B) return transposed_block<B, O>(x, in, o, vec, at, ahead, y, out);
-  if constexpr (B > 1) transposed_block_of<B - 1, O>(r, x, in, o, vec, at, ahead, y, out);
+// `block(R, O, r, o)` for rows [r, r + R) against outputs [o, o + O), R and O as
+// std::integral_constant: n rows, n from 1 to B.
+template <int B, int O, class Block>
+void row_block(int64_t n, int64_t r, int64_t o, const Block& block) {
+  if (n == B)
+    return block(std::integral_constant<int, B>(), std::integral_constant<int, O>(), r, o);
+  if constexpr (B > 1) row_block<B - 1, O>(n, r, o, block);
 }
 
 // Every row against outputs [o, o + O), B rows at a time.
-template <int B, int O, class Vec, class At, class Ahead>
-void transposed_rows(const float* x, int64_t rows, int64_t in, int64_t o, const Vec& vec,
-                     const At& at, const Ahead& ahead, float* y, int64_t out) {
+template <int B, int O, class Block>
+void row_blocks(int64_t rows, int64_t o, const Block& block) {
   for (int64_t r = 0; r < rows; r += B)
-    transposed_block_of<B, O>(std::min<int64_t>(B, rows - r), x + r * in, in, o, vec, at, ahead,
-                              y + r * out, out);
+    row_block<B, O>(std::min<int64_t>(B, rows - r), r, o, block);
+}
+
+// Runs `block(R, O, r, o)` (see `row_block`) over every row and output of a product whose
+// weight is stored [out, in], the outputs split into tasks over the threads: eight
+// outputs at a time for one or two rows, four for three or four rows, and two for more
+// (eight rows at a time, so that a weight vector read once serves eight rows), so that
+// the partial sums and the weight vectors stay in registers.
+template <class Block>
+void output_blocks(ffi::ThreadPool& pool, int64_t rows, int64_t out, const Block& block) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t per = std::max<int64_t>(64, (out + 16 * threads - 1) / (16 * threads)) / 8 * 8;
+  const int64_t tasks = (out + per - 1) / per;
+  parallel_for(pool, tasks, [&](int64_t t) {
+    int64_t o = t * per;
+    const int64_t end = std::min(out, o + per);
+    if (rows <= 2)
+      for (; o + 8 <= end; o += 8) row_blocks<2, 8>(rows, o, block);
+    else if (rows <= 4)
+      for (; o + 4 <= end; o += 4) row_blocks<4, 4>(rows, o, block);
+    else
+      for (; o + 2 <= end; o += 2) row_blocks<8, 2>(rows, o, block);
+    for (; o < end; ++o) row_blocks<8, 1>(rows, o, block);
+  });
 }
 
 // `ahead(o, i)` prefetches the weights of output o from input i on; it may be given
@@ -291,22 +314,9 @@ void transposed_rows(const float* x, int64_t rows, int64_t in, int64_t o, const 
 template <class Vec, class At, class Ahead>
 void transposed(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t in, int64_t out,
                 const Vec& vec, const At& at, const Ahead& ahead, float* y) {
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per = std::max<int64_t>(64, (out + 16 * threads - 1) / (16 * threads)) / 8 * 8;
-  const int64_t tasks = (out + per - 1) / per;
-  // Eight outputs at a time for one or two rows, four for three or four rows, and two
-  // for more (eight rows at a time, so that a weight vector converted once serves eight
-  // rows): the partial sums and the weight vectors stay in registers.
-  parallel_for(pool, tasks, [&](int64_t t) {
-    int64_t o = t * per;
-    const int64_t end = std::min(out, o + per);
-    if (rows <= 2)
-      for (; o + 8 <= end; o += 8) transposed_rows<2, 8>(x, rows, in, o, vec, at, ahead, y, out);
-    else if (rows <= 4)
-      for (; o + 4 <= end; o += 4) transposed_rows<4, 4>(x, rows, in, o, vec, at, ahead, y, out);
-    else
-      for (; o + 2 <= end; o += 2) transposed_rows<8, 2>(x, rows, in, o, vec, at, ahead, y, out);
-    for (; o < end; ++o) transposed_rows<8, 1>(x, rows, in, o, vec, at, ahead, y, out);
+  output_blocks(pool, rows, out, [&](auto R, auto O, int64_t r, int64_t o) {
+    transposed_block<decltype(R)::value, decltype(O)::value>(x + r * in, in, o, vec, at, ahead,
+                                                             y + r * out, out);
   });
 }
 
@@ -425,33 +435,10 @@ void pair_block(const uint16_t* x, int64_t in, const uint16_t* w, int64_t o, flo
     }
 }
 
-template <int B, int O>
-void pair_rows(const uint16_t* x, int64_t rows, int64_t in, const uint16_t* w, int64_t o,
-               float* y, int64_t out) {
-  for (int64_t r = 0; r < rows; r += B) {
-    const int64_t n = std::min<int64_t>(B, rows - r);
-    const uint16_t* xr = x + r * in;
-    float* yr = y + r * out;
-    if (n == B) pair_block<B, O>(xr, in, w, o, yr, out);
-    else if constexpr (B > 1) pair_rows<B - 1, O>(xr, n, in, w, o, yr, out);
-  }
-}
-
 void pair_transposed(ffi::ThreadPool& pool, const uint16_t* x, int64_t rows, int64_t in,
                      int64_t out, const uint16_t* w, float* y) {
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t per = std::max<int64_t>(64, (out + 16 * threads - 1) / (16 * threads)) / 8 * 8;
-  const int64_t tasks = (out + per - 1) / per;
-  parallel_for(pool, tasks, [&](int64_t t) {
-    int64_t o = t * per;
-    const int64_t end = std::min(out, o + per);
-    if (rows <= 2)
-      for (; o + 8 <= end; o += 8) pair_rows<2, 8>(x, rows, in, w, o, y, out);
-    else if (rows <= 4)
-      for (; o + 4 <= end; o += 4) pair_rows<4, 4>(x, rows, in, w, o, y, out);
-    else
-      for (; o + 2 <= end; o += 2) pair_rows<8, 2>(x, rows, in, w, o, y, out);
-    for (; o < end; ++o) pair_rows<8, 1>(x, rows, in, w, o, y, out);
+  output_blocks(pool, rows, out, [&](auto R, auto O, int64_t r, int64_t o) {
+    pair_block<decltype(R)::value, decltype(O)::value>(x + r * in, in, w, o, y + r * out, out);
   });
 }
 
