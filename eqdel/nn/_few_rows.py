@@ -6,7 +6,8 @@ optimizer step, see `eqdel.train.AdamW`).
 A decode step multiplies one row per sequence by every weight. XLA's CPU backend reads
 a 16-bit or quantized weight there only as a float32 copy it makes once, before the
 decode loop, so bfloat16, int8 and 4-bit models decode no faster than float32. The
-kernels read each weight as stored and convert in registers. They are opt-in
+kernels read each weight as stored and convert in registers (bfloat16 weights, on a CPU
+with AVX-512 BF16, are multiplied as stored, two inputs per instruction). They are opt-in
 (`EQDEL_CPU_KERNELS=1`): compiled on first use with the system's C++ compiler into
 eqdel's cache folder; without the variable, or without a compiler, every product stays
 with XLA. Products of more float32 rows (prefill, a training step's forward pass) run
