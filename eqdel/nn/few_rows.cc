@@ -657,33 +657,40 @@ ffi::Error BF16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int64_t out = y->dimensions()[1];
   if (auto e = check_rows(rows); e.failure()) return e;
   const uint16_t* wd = w.typed_data();
-  // The rows rounded to bfloat16 here, where XLA would round them in an operation of its
-  // own before the call.
-  thread_local std::vector<float> rounded;
-  rounded.resize(rows * in);
+  // The rows are rounded to bfloat16 here, where XLA would round them in an operation of
+  // its own before the call.
   const float* xd = x.typed_data();
-  for (int64_t i = 0; i < rows * in; ++i) rounded[i] = bf16_to_float(float_to_bf16(xd[i]));
-  xd = rounded.data();
 #if defined(EQDEL_AMX)
-  if (transposed_weight && in % 32 == 0 && amx_ready()) {
-    amx_transposed(pool, xd, rows, in, out, wd, y->typed_data());
+  const bool tile_unit = transposed_weight && in % 32 == 0 && amx_ready();
+#else
+  const bool tile_unit = false;
+#endif
+#if defined(__AVX512BF16__)
+  if (!tile_unit) {
+    thread_local std::vector<uint16_t> halves;
+    halves.resize(rows * in);
+    for (int64_t i = 0; i < rows * in; ++i) halves[i] = float_to_bf16(xd[i]);
+    const uint16_t* xh = halves.data();  // this thread's: the tasks run on others
+    if (transposed_weight) {
+      pair_transposed(pool, xh, rows, in, out, wd, y->typed_data());
+    } else {
+      product(pool, rows, in, out, nullptr, y->typed_data(),
+              [&](int64_t i0, int64_t i1, int64_t c0, int64_t c1, float* acc) {
+                pair_dense_tile(xh, rows, in, wd, out, i0, i1, c0, c1, acc);
+              });
+    }
     return ffi::Error::Success();
   }
 #endif
-#if defined(__AVX512BF16__)
-  thread_local std::vector<uint16_t> halves;
-  halves.resize(rows * in);
-  for (int64_t i = 0; i < rows * in; ++i) halves[i] = float_to_bf16(xd[i]);
-  const uint16_t* xh = halves.data();  // this thread's: the tasks run on others
-  if (transposed_weight) {
-    pair_transposed(pool, xh, rows, in, out, wd, y->typed_data());
-  } else {
-    product(pool, rows, in, out, nullptr, y->typed_data(),
-            [&](int64_t i0, int64_t i1, int64_t c0, int64_t c1, float* acc) {
-              pair_dense_tile(xh, rows, in, wd, out, i0, i1, c0, c1, acc);
-            });
+  thread_local std::vector<float> rounded;
+  rounded.resize(rows * in);
+  for (int64_t i = 0; i < rows * in; ++i) rounded[i] = bf16_to_float(float_to_bf16(xd[i]));
+  xd = rounded.data();
+#if defined(EQDEL_AMX)
+  if (tile_unit) {
+    amx_transposed(pool, xd, rows, in, out, wd, y->typed_data());
+    return ffi::Error::Success();
   }
-  return ffi::Error::Success();
 #endif
   if (transposed_weight) {
     transposed(
