@@ -26,11 +26,12 @@ def test_tiled_transpose_is_the_transpose(shape):
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_bfloat16_matmul_and_gradients_equal_float32_rounded(getkey, transposed):
+@pytest.mark.parametrize("n_out", [40, 56])  # the weight gradient transposes the narrower
+def test_bfloat16_matmul_and_gradients_equal_float32_rounded(getkey, transposed, n_out):
     x = jax.random.normal(getkey(), (3, 7, 48), jnp.float32).astype(jnp.bfloat16)
-    shape = (40, 48) if transposed else (48, 40)
+    shape = (n_out, 48) if transposed else (48, n_out)
     weight = jax.random.normal(getkey(), shape, jnp.float32).astype(jnp.bfloat16)
-    cotangent = jax.random.normal(getkey(), (3, 7, 40), jnp.float32)
+    cotangent = jax.random.normal(getkey(), (3, 7, n_out), jnp.float32)
 
     out = matmul(x, weight, transposed=transposed)
     grads = jax.grad(_loss, argnums=(0, 1))(x, weight, cotangent, transposed)
@@ -41,7 +42,7 @@ def test_bfloat16_matmul_and_gradients_equal_float32_rounded(getkey, transposed)
     want = jax.grad(_loss, argnums=(0, 1))(
         x32, w32, cotangent.astype(jnp.bfloat16).astype(jnp.float32), transposed
     )
-    assert out.dtype == jnp.bfloat16 and out.shape == (3, 7, 40)
+    assert out.dtype == jnp.bfloat16 and out.shape == (3, 7, n_out)
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(want_out), rtol=BF16_ULP, atol=1e-6
     )

@@ -51,7 +51,9 @@ def _low_precision_matmul(rows: Array, weight: Array, transposed: bool, out_dtyp
     gradient is written in that form too. The weight gradient contracts the tokens, the
     leading dimension of both operands: its left operand is therefore transposed first,
     as tiles (`tiled_transpose`), which XLA writes out rather than folding into the
-    product. The output's gradient is rounded to the weight's dtype for both.
+    product. Of the inputs and the output's gradient, the narrower is transposed (for a
+    weight `[in, out]` with `in > out`, the gradient comes out `[out, in]` and is
+    transposed after). The output's gradient is rounded to the weight's dtype for both.
     """
     return _dot(rows, weight, 1, 1 if transposed else 0).astype(out_dtype)
 
@@ -64,10 +66,17 @@ def _low_precision_matmul_bwd(transposed, out_dtype, residuals, grad):
     rows, weight = residuals
     grad = grad.astype(weight.dtype)
     grad_rows = _dot(grad, weight, 1, 0 if transposed else 1)
-    if transposed:
-        grad_weight = _dot(tiled_transpose(grad), rows, 1, 0)
+    if rows.shape[1] > grad.shape[1]:
+        grad_weight = _dot(tiled_transpose(grad), rows, 1, 0)  # [out, in]
+        swapped = not transposed
     else:
-        grad_weight = _dot(tiled_transpose(rows), grad, 1, 0)
+        grad_weight = _dot(tiled_transpose(rows), grad, 1, 0)  # [in, out]
+        swapped = transposed
+    if swapped:
+        # The barrier keeps XLA from folding the transpose into the product, which its
+        # CPU backend then cannot run in 16 bits ("Unsupported element type for
+        # DotThunk").
+        grad_weight = jax.lax.optimization_barrier(grad_weight).T
     return grad_rows.astype(rows.dtype), grad_weight.astype(weight.dtype)
 
 

@@ -153,13 +153,14 @@ def causal_lm_loss(
         weights &= batch["loss_mask"].astype(bool)
     positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=-1) - 1, 0)
     embeds = model.get_input_embeddings()(ids)
+    # The activations' dtype, as the model's own call has it: on CPU a 16-bit model
+    # trains with float32 activations between its 16-bit products, and its head writes
+    # float32 logits.
+    embeds = embeds.astype(activation_dtype(embeds.dtype))
     hidden, _, _, router_logits = model.get_decoder()(embeds, positions, valid)
     target_weights = weights[:, 1:].astype(jnp.float32)
     targets = jnp.where(weights[:, 1:], labels[:, 1:], 0)
-    embed = hidden.shape[-1]
-    # On CPU a 16-bit head then writes float32 logits: not rounded to 16 bits before the
-    # softmax, and no conversion pass over them.
-    head_input = hidden[:, :-1].reshape(-1, embed).astype(activation_dtype(hidden.dtype))
+    head_input = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     loss_sum = chunked_cross_entropy(
         model.head,
         head_input,
