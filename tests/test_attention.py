@@ -71,6 +71,22 @@ def test_chunked_equals_vanilla(case, blocks):
     assert_matches_vanilla(kernel, qkv, mask, cotangent, soft_cap)
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("q_len", [150, 300])  # two blocks; four of uneven sizes
+def test_aligned_mask_blocks_equal_the_whole_kernel(case, q_len):
+    """Told that the keys are the queries (no cache), the vanilla kernel on CPU skips the
+    keys after each block of queries; its results, padding rows included, are the whole
+    kernel's."""
+    spec = dict(CASES[case])
+    soft_cap = spec.pop("soft_cap", None)
+    qkv, mask, cotangent = inputs(**spec, q_len=q_len)
+    aligned = AttentionMask(
+        mask.query_index, mask.key_index, mask.key_valid, mask.sliding_window, aligned=True
+    )
+    kernel = lambda q, k, v, _, **kw: vanilla_attention(q, k, v, aligned, **kw)  # noqa: E731
+    assert_matches_vanilla(kernel, qkv, mask, cotangent, soft_cap)
+
+
 def test_chunked_equals_vanilla_for_a_query_block_at_a_cache_offset():
     qkv, mask, cotangent = inputs(8, 2, q_len=5, kv_len=40, padding=2, window=11)
     unwritten = AttentionMask(

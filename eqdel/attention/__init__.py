@@ -9,4 +9,7 @@ from ._dispatch import (
 )
 from ._masks import AttentionMask as AttentionMask, attention_mask as attention_mask
 from ._ring import ring_attention as ring_attention
-from ._vanilla import vanilla_attention as vanilla_attention
+from ._vanilla import (
+    ALIGNED_QUERY_BLOCKS as ALIGNED_QUERY_BLOCKS,
+    vanilla_attention as vanilla_attention,
+)

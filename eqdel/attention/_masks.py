@@ -48,18 +48,23 @@ class AttentionMask(eqx.Module):
     - `key_index`: `[batch, kv_len]` index of every key.
     - `key_valid`: `[batch, kv_len]`, `False` for padding and unwritten cache slots.
     - `sliding_window`: scalar window size (`0`: none).
+    - `aligned`: whether the keys are the queries themselves, in order (no cache: query
+        `i` is key `i`), so that no query attends to a key after its own. Kernels may
+        then skip the blocks of keys that follow a block of queries.
     """
 
     query_index: Int[Array, "batch q_len"]
     key_index: Int[Array, "batch kv_len"]
     key_valid: Bool[Array, "batch kv_len"]
     sliding_window: Int[Array, ""]
+    aligned: bool = eqx.field(static=True)
 
-    def __init__(self, query_index, key_index, key_valid, sliding_window=0):
+    def __init__(self, query_index, key_index, key_valid, sliding_window=0, *, aligned=False):
         self.query_index = jnp.asarray(query_index, jnp.int32)
         self.key_index = jnp.asarray(key_index, jnp.int32)
         self.key_valid = jnp.asarray(key_valid, bool)
         self.sliding_window = jnp.asarray(0 if sliding_window is None else sliding_window)
+        self.aligned = aligned
 
     def dense(self) -> Bool[Array, "batch q_len kv_len"]:
         """The whole mask, `True` where attention is allowed."""

@@ -81,7 +81,7 @@ def run_decoder_layers(
 
     def step(layer, h, inputs):
         window, layer_kv = inputs
-        mask = AttentionMask(query_index, key_index, key_valid, window)
+        mask = AttentionMask(query_index, key_index, key_valid, window, aligned=cache is None)
         out, layer_kv, router_logits = call(layer, h, mask, layer_kv, write)
         out = _settle(out)
         return out, (out if output_hidden_states else None, layer_kv, router_logits)
