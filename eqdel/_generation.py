@@ -56,7 +56,7 @@ def prefill(model, input_ids, attention_mask, config: GenerationConfig, key) -> 
     batch, prompt = input_ids.shape
     total = prompt + config.max_new_tokens
     kwargs = model.prepare_inputs_for_generation(input_ids, total, attention_mask)
-    out = model(input_ids, **kwargs)
+    out = model(input_ids, **kwargs, logits_to_keep=1)
     pad = _pad_id(config)
     tokens = jnp.full((batch, total), pad, jnp.int32).at[:, :prompt].set(input_ids)
     key, sub = jax.random.split(key)

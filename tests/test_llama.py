@@ -199,6 +199,12 @@ def test_hidden_states_and_inputs_embeds_match_transformers(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(model(inputs_embeds=embeds).logits), np.asarray(out.logits)
     )
+    last = model(jnp.asarray(ids), output_hidden_states=True, logits_to_keep=2)
+    assert last.logits.shape == (2, 2, out.logits.shape[-1])
+    np.testing.assert_allclose(
+        np.asarray(last.logits), np.asarray(out.logits[:, -2:]), rtol=0, atol=1e-6
+    )
+    assert len(last.hidden_states) == 4 and last.hidden_states[-1].shape[1] == 6
 
 
 @pytest.mark.parametrize(

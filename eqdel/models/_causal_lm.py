@@ -132,6 +132,7 @@ class CausalLM(eqx.Module):
         inputs_embeds: Float[Array, "batch seq embed"] | None = None,
         cache: KVCache | None = None,
         output_hidden_states: bool = False,
+        logits_to_keep: int = 0,
     ) -> CausalLMOutput:
         """**Arguments:**
 
@@ -143,10 +144,13 @@ class CausalLM(eqx.Module):
         - `cache`: a [`eqdel.KVCache`][] from [`eqdel.models.CausalLM.init_cache`][]
             or a previous call; `attention_mask` then covers the new tokens only.
         - `output_hidden_states`: also return the per-layer hidden states.
+        - `logits_to_keep`: make logits for the last `logits_to_keep` positions only
+            (`0`: every position), as in transformers; generation's prefill keeps one.
 
         **Returns:**
 
-        A [`eqdel.models.CausalLMOutput`][] with `logits` `[batch, seq, vocab]`.
+        A [`eqdel.models.CausalLMOutput`][] with `logits` `[batch, seq, vocab]`
+        (`[batch, logits_to_keep, vocab]` when that is set).
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds.")
@@ -163,6 +167,8 @@ class CausalLM(eqx.Module):
         h, states, cache, router_logits = self.get_decoder()(
             h, position_ids, token_valid, cache, output_hidden_states=output_hidden_states
         )
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
         return CausalLMOutput(
             logits=self.head(h), hidden_states=states, cache=cache, router_logits=router_logits
         )
