@@ -9,6 +9,7 @@ from hf_reference import make_hf_model, random_ids
 from hypothesis import given, settings, strategies as st
 
 import eqdel
+from eqdel._generation import _prefill_logits
 from eqdel._sampling import allowed_tokens
 
 PAD = 0
@@ -164,6 +165,9 @@ def test_generation_on_mesh_equals_single_device(tmp_path):
     assert cache.layers.keys.sharding.spec == jax.sharding.PartitionSpec(
         None, ("dp", "fsdp"), "sp", "tp", None
     )
+    # The prefill makes the last position's logits alone on one device, every
+    # position's on the mesh.
+    assert (_prefill_logits(single), _prefill_logits(sharded)) == (1, 0)
     args = dict(max_new_tokens=8, eos_token_id=[], pad_token_id=PAD)
     want = eqdel.generate(single, jnp.asarray(ids), jnp.asarray(mask), **args)
     got = eqdel.generate(sharded, jnp.asarray(ids), jnp.asarray(mask), **args)
