@@ -807,7 +807,8 @@ inline v16 exp16(v16 x) {
 // taking the head's group of query heads (for every token) one after another: the
 // query's scores against each slot, their exponentials in float32 from the span's
 // largest (sixteen at a time, `exp16`), and the values' sum weighted by them, four slots
-// per pass over the sums. A task's keys and values stay in cache for the group's other
+// per pass over the sums, skipping four slots that all weigh exactly zero (masked: the
+// cache's unwritten end). A task's keys and values stay in cache for the group's other
 // queries. With fewer sequences and heads than twice the threads, the slots are split
 // into spans whose sums are then combined, rescaled to the largest score of all. Masked
 // slots score `masked`, as XLA's attention does. (Slot-major, one read of each key for
@@ -877,6 +878,7 @@ void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const fl
       for (; t + 4 <= n; t += 4) {
         const float* value = values + (s0 + t) * apart;
         const float p0 = p[t], p1 = p[t + 1], p2 = p[t + 2], p3 = p[t + 3];
+        if (p0 == 0.0f && p1 == 0.0f && p2 == 0.0f && p3 == 0.0f) continue;  // masked
         if (t + 4 + kAhead <= n)
           for (int64_t c = 0; c < dim; c += kLanes)
             for (int64_t j = 0; j < 4; ++j) __builtin_prefetch(value + (kAhead + j) * apart + c);
