@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from ._generation_config import GenerationConfig
+from ._placement import on_one_device
 from ._sampling import next_tokens
 
 
@@ -98,13 +99,7 @@ def _prefill_logits(model) -> int:
     bfloat16, 8 prompts of 16 tokens: prefill and first step 117 -> 100 ms). On a mesh,
     XLA's CPU runtime deadlocked in an all-reduce of the program that keeps one position
     (SmolLM2 on `fsdp=2, tp=2, sp=2`, 8 devices on 2 cores), so it keeps them all."""
-    devices = set()
-    for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)):
-        if isinstance(leaf, jax.core.Tracer):
-            return 0
-        if isinstance(leaf, jax.Array):
-            devices |= leaf.sharding.device_set
-    return 1 if len(devices) <= 1 else 0
+    return 1 if on_one_device(model) else 0
 
 
 @eqx.filter_jit

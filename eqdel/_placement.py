@@ -102,6 +102,18 @@ def placements(
     return out
 
 
+def on_one_device(tree) -> bool:
+    """Whether every array of `tree` lies on one and the same device (`False` when one is
+    traced, which hides where it lies)."""
+    devices = set()
+    for x in jax.tree.leaves(tree):
+        if isinstance(x, jax.core.Tracer):
+            return False
+        if isinstance(x, jax.Array):
+            devices |= x.sharding.device_set
+    return len(devices) <= 1
+
+
 def is_array_like(x) -> bool:
     """An array, or the `jax.ShapeDtypeStruct` that `eqx.filter_eval_shape` leaves."""
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)

@@ -781,7 +781,7 @@ ffi::Error NF4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 // degree-7 polynomial for exp(f)), to about one ulp; lanes below the smallest normal
 // result give 0.
 inline v16 exp16(v16 x) {
-  const v16 lowest = x < -87.33654f ? v16{} + 1.0f : v16{};  // 1 where exp(x) is 0
+  const v16i underflow = x < -87.33654f;  // the lanes whose exp(x) is 0
   x = x < -87.33654f ? v16{} - 87.33654f : x;
   x = x > 88.72283f ? v16{} + 88.72283f : x;
   v16 n = x * 1.44269504088896341f + 0.5f;
@@ -798,7 +798,7 @@ inline v16 exp16(v16 x) {
   y = y * z + x + 1.0f;
   const v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
   y *= (v16)bits;
-  return lowest > 0.0f ? v16{} : y;
+  return underflow ? v16{} : y;
 }
 
 // A decode step's attention on a float32 key/value cache as stored, `[batch, length,
@@ -840,7 +840,7 @@ void attend(ffi::ThreadPool& pool, const float* q, const bool* allowed, const fl
     const float* values = v + (b * length * kv_heads + h) * dim;
     const int64_t vectors = dim / kLanes;
     thread_local std::vector<float> scores, sums;  // each thread keeps its scratch
-    scores.resize(n + kLanes);
+    scores.resize(n);
     sums.resize(dim);
     float* p = scores.data();
     for (int64_t r = 0; r < queries; ++r) {

@@ -11,6 +11,7 @@ from jax.experimental import checkify
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from .._placement import on_one_device
 from ._adamw import AdamW, float32_norm
 
 
@@ -99,12 +100,6 @@ def _committed(state: TrainState) -> TrainState:
 def _concrete(x) -> bool:
     """Whether `x` is an array with values (not a tracer, as under `filter_eval_shape`)."""
     return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-
-
-def _on_one_device(tree) -> bool:
-    """Whether every array of `tree` lies on a single device."""
-    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-    return all(len(x.sharding.device_set) == 1 for x in arrays)
 
 
 def make_train_step(
@@ -240,7 +235,7 @@ def make_train_step(
 
     def run(state: TrainState, batch):
         params, frozen = eqx.partition(state.model, _trainable_spec(state.model, trainable))
-        error, (state, metrics) = checked(_on_one_device(params))(
+        error, (state, metrics) = checked(on_one_device(params))(
             (frozen, batch), eqx.tree_at(lambda s: s.model, state, params)
         )
         message = None if skip_nonfinite else error.get()
