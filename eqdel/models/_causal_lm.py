@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .. import axes as ax
 from .._cache import KVCache
+from .._host_memory import collapse_into_huge_pages
 from .._placement import constrain
 from ..attention import AttentionMask
 from ..nn import activation_dtype, fuse_projections, run_layers
@@ -192,8 +193,15 @@ class CausalLM(eqx.Module):
         call: a copy of the decoder's weights, written to fresh memory. Build it once
         and pass it to `generate` or `stream_generate` to skip that copy (and the page
         faults of fresh memory). Train and save the original: this form's parameters
-        are not laid out as the checkpoint's."""
-        return fuse_projections(self.unstacked())
+        are not laid out as the checkpoint's.
+
+        On Linux, the weights of the form built here (not in a traced call) are moved
+        onto transparent huge pages, which a decode step streams 3-5% faster
+        (`eqdel._host_memory.collapse_into_huge_pages`; about 0.1-0.4 s for
+        SmolLM2-135M)."""
+        model = fuse_projections(self.unstacked())
+        collapse_into_huge_pages(model)
+        return model
 
     # -- generation -------------------------------------------------------------------------
 

@@ -107,6 +107,29 @@ inline float lane_sum(v16 v) {
 #endif
 }
 
+// The lane sums of up to sixteen vectors at once: lane k of the result is the sum of
+// `v[k]`'s lanes (0 past `n`). A tree of in-lane interleaves, then of 128-bit lanes,
+// takes 45 operations where sixteen separate sums take about 130.
+template <int N>
+inline v16 lane_sums(const v16 (&v)[N]) {
+  static_assert(N >= 1 && N <= 16);
+  auto at = [&](int k) { return k < N ? v[k] : v16{}; };
+  const v16i lo32 = {0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29};
+  const v16i hi32 = {2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31};
+  const v16i lo64 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const v16i hi64 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const v16i even128 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const v16i odd128 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  auto fold = [](v16 a, v16 b, v16i first, v16i second) {
+    return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
+  };
+  v16 pairs[8], quads[4], halves[2];
+  for (int j = 0; j < 8; ++j) pairs[j] = fold(at(2 * j), at(2 * j + 1), lo32, hi32);
+  for (int j = 0; j < 4; ++j) quads[j] = fold(pairs[2 * j], pairs[2 * j + 1], lo64, hi64);
+  for (int j = 0; j < 2; ++j) halves[j] = fold(quads[2 * j], quads[2 * j + 1], even128, odd128);
+  return fold(halves[0], halves[1], even128, odd128);
+}
+
 // Runs `tile(k0, k1, c0, c1, acc)` over a grid of weight-row chunks and column tiles,
 // each tile's partial sums `acc[rows][c1 - c0]` small enough for L1, and writes
 // y[r, c] = (sum of the chunks' partial sums) * scale[c] (no scale when null). A one-row
@@ -263,9 +286,13 @@ void transposed_block(const float* x, int64_t in, int64_t o, const Vec& vec, con
       for (int p = 0; p < O; ++p) acc[r][p] += xv * wv[p];
     }
   }
+  v16 parts[R * O];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < O; ++p) parts[r * O + p] = acc[r][p];
+  const v16 sums = lane_sums(parts);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < O; ++p) {
-      float sum = lane_sum(acc[r][p]);
+      float sum = sums[r * O + p];
       for (int64_t j = i; j < in; ++j) sum += x[r * in + j] * at(o + p, j);
       y[r * out + o + p] = sum;
     }
@@ -427,9 +454,13 @@ void pair_block(const uint16_t* x, int64_t in, const uint16_t* w, int64_t o, flo
       for (int p = 0; p < O; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], xv, wv[p]);
     }
   }
+  v16 parts[R * O];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < O; ++p) parts[r * O + p] = (v16)acc[r][p];
+  const v16 sums = lane_sums(parts);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < O; ++p) {
-      float sum = _mm512_reduce_add_ps(acc[r][p]);
+      float sum = sums[r * O + p];
       for (int64_t j = i; j < in; ++j)
         sum += bf16_to_float(x[r * in + j]) * bf16_to_float(w[(o + p) * in + j]);
       y[r * out + o + p] = sum;
