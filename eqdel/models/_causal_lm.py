@@ -196,7 +196,7 @@ class CausalLM(eqx.Module):
         are not laid out as the checkpoint's.
 
         On Linux, the weights of the form built here (not in a traced call) are moved
-        onto transparent huge pages, which a decode step streams 3-5% faster
+        onto transparent huge pages, which a decode step streams about 6% faster
         (`eqdel._host_memory.collapse_into_huge_pages`; about 0.1-0.4 s for
         SmolLM2-135M)."""
         model = fuse_projections(self.unstacked())
