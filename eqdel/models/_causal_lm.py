@@ -197,7 +197,7 @@ class CausalLM(eqx.Module):
 
         On Linux, the weights of the form built here (not in a traced call) are moved
         onto transparent huge pages, which a decode step streams about 6% faster
-        (`eqdel._host_memory.collapse_into_huge_pages`; about 0.1-0.4 s for
+        (`eqdel._host_memory.collapse_into_huge_pages`; 0.05-0.4 s once for
         SmolLM2-135M)."""
         model = fuse_projections(self.unstacked())
         collapse_into_huge_pages(model)

@@ -108,8 +108,9 @@ inline float lane_sum(v16 v) {
 }
 
 // The lane sums of up to sixteen vectors at once: lane k of the result is the sum of
-// `v[k]`'s lanes (0 past `n`). A tree of in-lane interleaves, then of 128-bit lanes,
-// takes 45 operations where sixteen separate sums take about 130.
+// `v[k]`'s lanes (0 for k >= N). A tree of interleaves (of pairs of lanes, of 64-bit
+// pairs, then of 128-bit quarters) takes 45 operations where sixteen separate sums take
+// about 130.
 template <int N>
 inline v16 lane_sums(const v16 (&v)[N]) {
   static_assert(N >= 1 && N <= 16);
