@@ -28,11 +28,20 @@ def _chunks(hidden, labels, weights, chunk_size: int):
     )
 
 
-def _log_z_and_picked(logits, labels):
+def _softmax_terms(logits, labels):
+    """Each token's softmax over the vocabulary, its log-partition and its label's logit.
+
+    The exponentials are written out once, then summed, and the softmax reuses them. XLA's
+    CPU backend sums fast what is written out, but slowly what it computes inside the sum:
+    for `[1024, 49152]` float32 logits, log-sum-exp alone took 165-190 ms, and it plus
+    the softmax took 243-257 ms, against 165-171 ms this way."""
     logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    exps = jnp.exp(logits - peak)
+    sums = jnp.sum(exps, axis=-1, keepdims=True)
+    log_z = (peak + jnp.log(sums))[:, 0]
     picked = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
-    return logits, log_z, picked
+    return exps / sums, log_z, picked
 
 
 @eqx.filter_custom_vjp
@@ -41,7 +50,7 @@ def _fused_cross_entropy(head_and_hidden, labels, weights, chunk_size):
 
     def chunk_loss(args):
         h, y, w = args
-        _, log_z, picked = _log_z_and_picked(head(h), y)
+        _, log_z, picked = _softmax_terms(head(h), y)
         return jnp.sum((log_z - picked) * w)
 
     return jnp.sum(jax.lax.map(chunk_loss, _chunks(hidden, labels, weights, chunk_size)))
@@ -60,11 +69,8 @@ def _fused_cross_entropy_fwd(perturbed, head_and_hidden, labels, weights, chunk_
     def chunk(grad_head, args):
         h, y, w = args
         out, pull_back = jax.vjp(lambda d, h: eqx.combine(d, static_head)(h), diff_head, h)
-        logits, log_z, picked = _log_z_and_picked(out, y)
-        # A second exp, fused into this elementwise pass, is cheaper than keeping the
-        # one inside logsumexp: that would write the chunk's [tokens, vocab] array out.
-        probs = jnp.exp(logits - log_z[:, None])
-        onehot = jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
+        probs, log_z, picked = _softmax_terms(out, y)
+        onehot = jax.nn.one_hot(y, probs.shape[-1], dtype=jnp.float32)
         grad_head_chunk, grad_h = pull_back(((probs - onehot) * w[:, None]).astype(out.dtype))
         grad_head = jax.tree.map(jnp.add, grad_head, grad_head_chunk)
         return grad_head, (jnp.sum((log_z - picked) * w), grad_h)
