@@ -71,13 +71,15 @@ def _host_spans(tree) -> list[tuple[int, int]]:
     device; traced or deleted arrays are left out."""
     spans = []
     for leaf in jax.tree.leaves(tree):
+        # A tracer counts as a `jax.Array` too.
         if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
             continue
         if leaf.is_deleted():
             continue
         for shard in leaf.addressable_shards:
-            if shard.device.platform == "cpu" and shard.data.nbytes:
-                spans.append((shard.data.unsafe_buffer_pointer(), shard.data.nbytes))
+            data = shard.data
+            if shard.device.platform == "cpu" and data.nbytes:
+                spans.append((data.unsafe_buffer_pointer(), data.nbytes))
     return spans
 
 
