@@ -40,7 +40,7 @@ def _unpacked(packed: Array, dtype, size: int) -> Array:
 def _scan_form(stack: Array, dtype) -> tuple[Array, Array]:
     """`stack` (of `dtype`) as its bits, `uint16`, and a float32 stand-in for its
     gradient, packed as `_packed` packs it."""
-    stand_in = jnp.zeros((*stack.shape[:-1], -(-stack.shape[-1] // 2)), jnp.float32)
+    stand_in = jnp.zeros(jax.eval_shape(_packed, stack).shape, jnp.float32)
     return jax.lax.bitcast_convert_type(stack, jnp.uint16), stand_in
 
 
